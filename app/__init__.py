@@ -1,0 +1,1 @@
+"""mtpchat's application layer: the CLI, the HTTP server, storage and remote clients. Never imports Qt."""

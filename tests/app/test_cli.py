@@ -1,0 +1,15 @@
+import subprocess
+import sys
+
+
+def test_unknown_flag_is_one_line_exit_2():
+    r = subprocess.run([sys.executable, "-m", "app", "--no-such-flag"], capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_help_lists_verbs():
+    r = subprocess.run([sys.executable, "-m", "app", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0
+    assert "mtpchat" in r.stdout

@@ -1,0 +1,28 @@
+"""Shared test set-up: Qt offscreen, the fixture folder (MTPCHAT_FIXTURES, default ../shared/fixtures)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(os.environ.get("MTPCHAT_FIXTURES", REPO.parent / "shared" / "fixtures")).resolve()
+
+
+def fixture_path(rel: str) -> Path:
+    """Path of a file in the shared fixtures, or skip the test saying which file is missing."""
+    p = FIXTURES / rel
+    if not p.exists():
+        pytest.skip(f"fixture {rel} not found under MTPCHAT_FIXTURES={FIXTURES}")
+    return p
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    if not FIXTURES.is_dir():
+        pytest.skip(f"MTPCHAT_FIXTURES={FIXTURES} does not exist")
+    return FIXTURES

@@ -1,0 +1,1 @@
+"""mtpchat's Qt desktop app (later issue)."""
