@@ -10,7 +10,16 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 REPO = Path(__file__).resolve().parent.parent
-FIXTURES = Path(os.environ.get("MTPCHAT_FIXTURES", REPO.parent / "shared" / "fixtures")).resolve()
+
+
+def _default_fixtures() -> Path:
+    for candidate in (REPO.parent / "shared" / "fixtures", Path("/work/shared/fixtures")):
+        if candidate.is_dir():
+            return candidate
+    return REPO.parent / "shared" / "fixtures"
+
+
+FIXTURES = Path(os.environ.get("MTPCHAT_FIXTURES") or _default_fixtures()).resolve()
 
 
 def fixture_path(rel: str) -> Path:
