@@ -1,0 +1,71 @@
+"""Gated full attention of Qwen3.5 (spec/qwen35-gguf.md §4.3): interleaved query/gate in `attn_q`,
+per-head q/k RMSNorm, partial NeoX RoPE, GQA, causal softmax, sigmoid output gate.
+
+The KV cache is passed in (engine/model/cache.py); the module holds weights only and never modifies
+its inputs (the full-sequence training path runs under autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.layers import Linear, RMSNorm, apply_rope
+
+
+class KVView:
+    """Where one attention block reads and writes its cache for one forward call.
+
+    k, v: the block's buffers [n_slots, n_ctx, Hkv, D]; slot_idx [B] long; positions [B, T] long
+    (absolute position of every new token). Keys at cache rows <= a query's position are visible."""
+
+    __slots__ = ("k", "v", "slot_idx", "positions", "n_keys")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slot_idx: torch.Tensor, positions: torch.Tensor,
+                 n_keys: int):
+        self.k, self.v, self.slot_idx, self.positions, self.n_keys = k, v, slot_idx, positions, n_keys
+
+
+class GatedAttention(nn.Module):
+    """The attention mixer of one block. Parameter names are the GGUF tensor names (spec §3.4)."""
+
+    def __init__(self, cfg, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        self.n_head, self.n_head_kv, self.head_dim = H, Hkv, D
+        self.scale = cfg.attention_scale if cfg.attention_scale else D ** -0.5
+        self.attn_q = Linear(E, 2 * H * D, dtype, device)
+        self.attn_k = Linear(E, Hkv * D, dtype, device)
+        self.attn_v = Linear(E, Hkv * D, dtype, device)
+        self.attn_output = Linear(H * D, E, dtype, device)
+        self.attn_q_norm = RMSNorm(D, cfg.rms_eps, device)
+        self.attn_k_norm = RMSNorm(D, cfg.rms_eps, device)
+
+    def forward(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView | None) -> torch.Tensor:
+        """a [B, T, E]; cos/sin [B, T, R/2] for the tokens' positions; kv None = a fresh sequence at
+        positions 0..T-1 with no cache (the training path). Returns [B, T, E] float32."""
+        B, T, _ = a.shape
+        H, Hkv, D = self.n_head, self.n_head_kv, self.head_dim
+        qg = self.attn_q(a).reshape(B, T, H, 2 * D)     # per head: D query dims, then D gate dims
+        q, gate = qg[..., :D], qg[..., D:].reshape(B, T, H * D)
+        q = apply_rope(self.attn_q_norm(q), cos, sin)
+        k = apply_rope(self.attn_k_norm(self.attn_k(a).reshape(B, T, Hkv, D)), cos, sin)
+        v = self.attn_v(a).reshape(B, T, Hkv, D)
+        cdt = self.attn_q.weight.dtype
+        if kv is None:
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2).to(cdt), k.transpose(1, 2).to(cdt), v.transpose(1, 2).to(cdt),
+                is_causal=True, scale=self.scale, enable_gqa=Hkv != H)
+        else:
+            rows = kv.slot_idx[:, None]
+            kv.k[rows, kv.positions] = k.to(kv.k.dtype)       # cache stores k after norm + RoPE
+            kv.v[rows, kv.positions] = v.to(kv.v.dtype)
+            keys = kv.k[kv.slot_idx, :kv.n_keys].to(cdt)       # [B, L, Hkv, D]
+            vals = kv.v[kv.slot_idx, :kv.n_keys].to(cdt)
+            visible = torch.arange(kv.n_keys, device=a.device)[None, None, :] <= kv.positions[:, :, None]
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2).to(cdt), keys.transpose(1, 2), vals.transpose(1, 2),
+                attn_mask=visible[:, None], scale=self.scale, enable_gqa=Hkv != H)
+        o = o.transpose(1, 2).reshape(B, T, H * D).float()
+        return self.attn_output(o * torch.sigmoid(gate))

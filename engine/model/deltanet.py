@@ -1,0 +1,157 @@
+"""Gated DeltaNet (linear attention) of Qwen3.5 (spec/qwen35-gguf.md §4.4): the causal conv, the
+delta rule in its one-token recurrent and chunked forms, and the mixer module.
+
+The math is written as functions of tensors; state lives in the cache (engine/model/cache.py), never
+in the module. No function here modifies its inputs (the training path runs under autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.layers import Linear, rms_norm
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over the qkv channels (spec §4.4.2).
+
+    x [B, T, C] raw qkv; weight [C, Kc]; conv_state [B, C, Kc-1] (the last Kc-1 raw inputs, oldest
+    first) or None for zeros. Returns u [B, T, C] = silu(conv) and xpad [B, C, Kc-1+T] float32,
+    whose columns j+1 .. j+Kc-1 are the conv state after token j."""
+    B, T, C = x.shape
+    kc = weight.shape[1]
+    xt = x.float().transpose(1, 2)
+    if conv_state is None:
+        conv_state = xt.new_zeros(B, C, kc - 1)
+    xpad = torch.cat([conv_state.float(), xt], dim=2)
+    y = F.conv1d(xpad, weight.float()[:, None, :], groups=C)    # [B, C, T]
+    return F.silu(y).transpose(1, 2), xpad
+
+
+def conv_states_per_step(xpad: torch.Tensor, kc: int) -> torch.Tensor:
+    """xpad [B, C, Kc-1+T] -> [B, T+1, C, Kc-1]: the conv state after 0, 1, ..., T tokens."""
+    return xpad.unfold(2, kc - 1, 1).transpose(1, 2)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The transformers/FLA form x * rsqrt(sum x^2 + eps) (spec §4.4.3, CLARIFICATIONS Issue 4)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state, all_states: bool = False):
+    """Token-by-token gated delta rule (spec §4.4.5); the reference form and the T = 1 decode path.
+
+    q, k [B, T, H, Dk] (unit k, scaled q, already broadcast to the value heads); v [B, T, H, Dv];
+    g, beta [B, T, H]; state [B, H, Dk, Dv] float32. Returns o [B, T, H, Dv] and the final state,
+    or, with all_states, the states after 0..T tokens [B, T+1, H, Dk, Dv] instead of the final one."""
+    outs, states = [], [state]
+    s = state
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        m = torch.einsum("bhk,bhkv->bhv", k[:, t], s)
+        delta = beta[:, t, :, None] * (v[:, t] - m)
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+        if all_states:
+            states.append(s)
+    o = torch.stack(outs, dim=1)
+    return (o, torch.stack(states, dim=1)) if all_states else (o, s)
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64, all_states: bool = False):
+    """The chunked (WY/UT) form of the same recurrence (spec §4.4.5 "Chunked form"): same arguments
+    and results as `delta_rule_recurrent`, one triangular solve and one state update per chunk.
+    Memory is O(chunk^2) per head beyond the inputs; with all_states O(T * Dk * Dv) per head."""
+    B, T, H, dk = k.shape
+    qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))   # [B, H, T, d]
+    gh, bh = g.transpose(1, 2), beta.transpose(1, 2)      # [B, H, T]
+    outs, states = [], [state[:, :, None]]
+    s = state
+    for c0 in range(0, T, chunk):
+        Q, K, V = qh[:, :, c0:c0 + chunk], kh[:, :, c0:c0 + chunk], vh[:, :, c0:c0 + chunk]
+        G, Bt = gh[:, :, c0:c0 + chunk], bh[:, :, c0:c0 + chunk]
+        c = K.shape[2]
+        gam = G.cumsum(-1)                                             # [B, H, c] cumulative log decay
+        lower = torch.ones(c, c, dtype=torch.bool, device=K.device).tril()
+        dec = (gam[..., :, None] - gam[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [B,H,c,c]
+        a = (Bt[..., :, None] * (K @ K.transpose(-1, -2)) * dec).tril(-1)
+        eg = gam.exp()
+        rhs = Bt[..., None] * (V - eg[..., None] * (K @ s))              # [B, H, c, Dv]
+        delta = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+        outs.append(eg[..., None] * (Q @ s) + ((Q @ K.transpose(-1, -2)) * dec) @ delta)
+        if all_states:
+            steps = eg[..., None, None] * s[:, :, None] + torch.einsum("bhjs,bhsk,bhsv->bhjkv", dec, K, delta)
+            states.append(steps)
+            s = steps[:, :, -1]
+        else:
+            last = gam[..., -1:]
+            s = last.exp()[..., None] * s + K.transpose(-1, -2) @ ((last - gam).exp()[..., None] * delta)
+    o = torch.cat(outs, dim=2).transpose(1, 2)
+    if all_states:
+        return o, torch.cat(states, dim=2).transpose(1, 2)
+    return o, s
+
+
+class _Weight(nn.Module):
+    def __init__(self, *shape: int, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(*shape, dtype=torch.float32, device=device))
+
+
+class _Bias(nn.Module):
+    def __init__(self, n: int, device=None):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(n, dtype=torch.float32, device=device))
+
+
+class GatedDeltaNet(nn.Module):
+    """The GDN mixer of one block. Parameter names are the GGUF tensor names (spec §3.3)."""
+
+    def __init__(self, cfg, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        E, C, Cv, Hv = cfg.n_embd, cfg.conv_channels, cfg.ssm_d_inner, cfg.ssm_dt_rank
+        self.n_k_heads, self.n_v_heads = cfg.ssm_n_group, Hv
+        self.d_k, self.d_v, self.kc = cfg.ssm_d_state, cfg.ssm_head_v_dim, cfg.ssm_conv_kernel
+        self.eps = cfg.rms_eps
+        self.attn_qkv = Linear(E, C, dtype, device)
+        self.attn_gate = Linear(E, Cv, dtype, device)
+        self.ssm_beta = Linear(E, Hv, dtype, device)
+        self.ssm_alpha = Linear(E, Hv, dtype, device)
+        self.ssm_out = Linear(Cv, E, dtype, device)
+        self.ssm_conv1d = _Weight(C, self.kc, device=device)       # [C, Kc], never quantized
+        self.ssm_dt = _Bias(Hv, device=device)
+        self.ssm_a = nn.Parameter(torch.zeros(Hv, dtype=torch.float32, device=device))  # -exp(A_log)
+        self.ssm_norm = _Weight(self.d_v, device=device)            # used as is, no +1
+
+    def forward(self, a: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
+                *, chunk: int = 64, all_states: bool = False):
+        """a [B, T, E] (normed block input); conv_state [B, C, Kc-1] / ssm_state [B, Hv, Dk, Dv] float32
+        or None for a fresh sequence. Returns (out [B, T, E], conv, ssm): the new states, or with
+        all_states the states after 0..T tokens, [B, T+1, C, Kc-1] and [B, T+1, Hv, Dk, Dv]."""
+        B, T, _ = a.shape
+        hk, hv, dk, dv = self.n_k_heads, self.n_v_heads, self.d_k, self.d_v
+        u, xpad = causal_conv1d(self.attn_qkv(a), self.ssm_conv1d.weight, conv_state)
+        q = u[..., :hk * dk].reshape(B, T, hk, dk)
+        k = u[..., hk * dk:2 * hk * dk].reshape(B, T, hk, dk)
+        v = u[..., 2 * hk * dk:].reshape(B, T, hv, dv)
+        q = l2norm(q) * dk ** -0.5
+        k = l2norm(k)
+        if hv != hk:   # tiled order: value head j uses key head j mod Hk (spec §4.4.6)
+            q, k = q.repeat(1, 1, hv // hk, 1), k.repeat(1, 1, hv // hk, 1)
+        beta = torch.sigmoid(self.ssm_beta(a))
+        g = self.ssm_a * F.softplus(self.ssm_alpha(a) + self.ssm_dt.bias)
+        if ssm_state is None:
+            ssm_state = a.new_zeros(B, hv, dk, dv, dtype=torch.float32)
+        if T == 1:
+            o, s = delta_rule_recurrent(q, k, v, g, beta, ssm_state, all_states=all_states)
+        else:
+            o, s = delta_rule_chunked(q, k, v, g, beta, ssm_state, chunk=chunk, all_states=all_states)
+        z = self.attn_gate(a).reshape(B, T, hv, dv)
+        y = rms_norm(o, self.ssm_norm.weight, self.eps) * F.silu(z)
+        out = self.ssm_out(y.reshape(B, T, hv * dv))
+        if all_states:
+            return out, conv_states_per_step(xpad, self.kc), s
+        return out, xpad[:, :, T:], s

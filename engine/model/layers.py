@@ -1,0 +1,77 @@
+"""Shared building blocks of the Qwen3.5 forward pass: the one weight-multiply entry point, RMSNorm,
+partial NeoX RoPE and the SwiGLU FFN (spec/qwen35-gguf.md §4.2, §4.3 step 4, §4.5).
+
+Every weight multiply of the model goes through `Linear` so a packed-weight kernel can replace it
+in one place. Functions here never modify their inputs (the training path runs them under autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def matmul_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight.T -> [..., out] in float32. The single place a weight multiplies an
+    activation: activations are cast to the weight's dtype (bf16 on CUDA), results come back float32."""
+    y = F.linear(x.to(weight.dtype), weight)
+    return y if y.dtype == torch.float32 else y.float()
+
+
+class Linear(nn.Module):
+    """A bias-free projection holding one dense weight `(out, in)` (GGUF `ne[in, out]`)."""
+
+    def __init__(self, n_in: int, n_out: int, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return matmul_weight(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """rms(x, w) = x / sqrt(mean(x^2) + eps) * w, in float32; `w` used as stored (+1 already in the file)."""
+
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] int -> cos, sin [..., rope_dim/2] float32 with angle p * theta^(-2i/R)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.int64, device=positions.device)
+                                .float() / rope_dim))
+    angles = positions.float()[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotation of the first R dims of each head, pairing dim i with i + R/2; the rest pass.
+    x [B, T, heads, D]; cos/sin [B, T, R/2]."""
+    half = cos.shape[-1]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c, rest], dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """Dense FFN: (silu(b Wg^T) * (b Wu^T)) Wd^T (spec §4.5). Tensors ffn_gate, ffn_up, ffn_down."""
+
+    def __init__(self, n_embd: int, n_ff: int, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.ffn_gate = Linear(n_embd, n_ff, dtype, device)
+        self.ffn_up = Linear(n_embd, n_ff, dtype, device)
+        self.ffn_down = Linear(n_ff, n_embd, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x))

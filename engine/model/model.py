@@ -1,0 +1,300 @@
+"""The Qwen3.5/3.6 model (`qwen35` dense, `qwen35moe`, RYS files) as torch modules whose parameter
+names are the GGUF tensor names (spec/qwen35-gguf.md §4-§6), and its forward over cache slots.
+
+Weights live in the modules, per-sequence state in `ModelCache`. The full-sequence path
+(`cache=None`) is autograd-friendly; wrap inference calls in `torch.inference_mode()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.config import ATTN, GDN, ModelConfig
+from engine.errors import InputError, ModelFileError
+from engine.model.attention import GatedAttention, KVView
+from engine.model.cache import GDNSteps, ModelCache
+from engine.model.deltanet import GatedDeltaNet
+from engine.model.layers import Linear, RMSNorm, SwiGLU, matmul_weight, rope_cos_sin
+from engine.model.moe import MoE
+from engine.model.mtp import NextN
+
+log = logging.getLogger(__name__)
+
+LOGIT_ROWS = ("all", "last", "none")
+
+
+class Block(nn.Module):
+    """One block: h += mixer(rms(h, attn_norm)); h += ffn(rms(h, post_attention_norm)) (spec §4)."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, dtype: torch.dtype, device=None, *, ffn: bool = True):
+        super().__init__()
+        self.kind = kind
+        self.attn_norm = RMSNorm(cfg.n_embd, cfg.rms_eps, device)
+        self.post_attention_norm = RMSNorm(cfg.n_embd, cfg.rms_eps, device)
+        self.mixer = GatedAttention(cfg, dtype, device) if kind == ATTN else GatedDeltaNet(cfg, dtype, device)
+        if not ffn:
+            self.ffn = None
+        elif cfg.is_moe:
+            self.ffn = MoE(cfg, dtype, device)
+        else:
+            self.ffn = SwiGLU(cfg.n_embd, cfg.n_ff, dtype, device)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.ffn is None else h + self.ffn(self.post_attention_norm(h))
+
+
+@dataclass
+class ForwardOutput:
+    """hidden_prenorm [B, T, E]: output of the last main block; hidden [B, T, E]: after output_norm
+    (what the MTP head takes by default, spec §6.2); logits [B, T, V] ('all'), [B, 1, V] ('last')
+    or None ('none'); gdn_steps when asked for (see `GDNSteps`)."""
+
+    hidden_prenorm: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+    gdn_steps: GDNSteps | None = None
+
+
+@dataclass
+class MTPOutput:
+    """hidden [B, T, E]: the MTP block's output after shared_head_norm (the input of the next draft
+    step); logits [B, T, V] / [B, 1, V] / None."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None
+
+
+def gguf_name(param_name: str) -> str:
+    """Module parameter name -> GGUF tensor name ('blk.3.mixer.attn_q.weight' -> 'blk.3.attn_q.weight')."""
+    return re.sub(r"\.(mixer|ffn)\.", ".", param_name)
+
+
+class Qwen35Model(nn.Module):
+    """token_embd, blk[0 .. L-1] (main blocks then nextn blocks), output_norm, output (None if tied).
+
+    Build with `load_model(path)` or `Qwen35Model(cfg)` (uninitialised weights, e.g. for training;
+    `gguf_tensors()` gives the tensors to write back)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None,
+                 names: set[str] | None = None):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.n_embd
+        self.token_embd = Linear(E, cfg.n_vocab, dtype, device)   # rows are embeddings; also the tied head
+        blocks = [Block(cfg, kind, dtype, device) for kind in cfg.layer_kinds]
+        for n in cfg.nextn_blocks:
+            has_ffn = names is None or any(f"blk.{n}.{t}.weight" in names
+                                           for t in ("ffn_down", "ffn_down_exps"))
+            blk = Block(cfg, ATTN, dtype, device, ffn=has_ffn)
+            blk.nextn = NextN(cfg, names, f"blk.{n}.nextn", dtype, device)
+            if names is not None and f"blk.{n}.attn_q.weight" not in names:
+                # ik-tolerated form: borrow the last main attention block's attn_q (spec §3.7)
+                blk.mixer.attn_q = blocks[cfg.attn_layers[-1]].mixer.attn_q
+            blocks.append(blk)
+        self.blk = nn.ModuleList(blocks)
+        self.output_norm = RMSNorm(E, cfg.rms_eps, device)
+        self.output = None if cfg.tied_output else Linear(E, cfg.n_vocab, dtype, device)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.token_embd.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_embd.weight.device
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.token_embd.weight[tokens].float()
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden [..., E] -> logits [..., V] float32."""
+        w = self.token_embd.weight if self.output is None else self.output.weight
+        return matmul_weight(h, w)
+
+    def gguf_tensors(self) -> dict[str, torch.Tensor]:
+        """GGUF tensor name -> tensor (PyTorch shape), for writing the model back to a file."""
+        return {gguf_name(n): p for n, p in self.named_parameters()}
+
+    @staticmethod
+    def _rows(h: torch.Tensor, logits: str) -> torch.Tensor | None:
+        if logits not in LOGIT_ROWS:
+            raise ValueError(f"logits must be one of {LOGIT_ROWS}, got {logits!r}")
+        return None if logits == "none" else (h if logits == "all" else h[:, -1:])
+
+    def _slots(self, cache: ModelCache, slots: list[int] | None, B: int, T: int,
+               lengths: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
+        slots = list(range(B)) if slots is None else list(slots)
+        if len(slots) != B or len(set(slots)) != B:
+            raise ValueError(f"need {B} distinct slots, got {slots}")
+        starts = [lengths[s] for s in slots]
+        if max(starts) + T > cache.n_ctx:
+            raise InputError(f"context: {max(starts) + T} tokens exceed the cache size n_ctx={cache.n_ctx}")
+        dev = self.device
+        slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        positions = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
+        return slots, slot_idx, positions, max(starts) + T
+
+    # -- main model ------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None, slots: list[int] | None = None,
+                *, logits: str = "all", chunk: int = 64, gdn_steps: bool = False) -> ForwardOutput:
+        """Run the main blocks over tokens [B, T] (long).
+
+        Without a cache: each row is a fresh sequence at positions 0..T-1 (training / reference path).
+        With a cache: row i appends its T tokens to slot `slots[i]` (default: row i -> slot i) at that
+        slot's current length; every row of one call has the same T; the slots' KV and GDN state
+        are updated in place and `cache.lengths` advanced by T.
+        logits: 'all' rows, only the 'last' row, or 'none' (the output head is skipped).
+        chunk: delta-rule chunk length for T > 1 (T == 1 uses the recurrent form).
+        gdn_steps: also return the GDN state after every token (for `cache.rollback`)."""
+        B, T = tokens.shape
+        h = self.embed(tokens)
+        if cache is not None:
+            slots, slot_idx, positions, n_keys = self._slots(cache, slots, B, T, cache.lengths)
+        else:
+            slots, slot_idx, n_keys = list(range(B)), None, T
+            positions = torch.arange(T, device=self.device).expand(B, T)
+        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
+        steps_conv, steps_ssm = {}, {}
+        for i in range(self.cfg.n_layer):
+            blk = self.blk[i]
+            a = blk.attn_norm(h)
+            if blk.kind == ATTN:
+                kv = None if cache is None else KVView(cache.k[i], cache.v[i], slot_idx, positions, n_keys)
+                h = h + blk.mixer(a, cos, sin, kv)
+            else:
+                conv0 = None if cache is None else cache.conv[i][slot_idx]
+                ssm0 = None if cache is None else cache.ssm[i][slot_idx]
+                out, conv, ssm = blk.mixer(a, conv0, ssm0, chunk=chunk, all_states=gdn_steps)
+                h = h + out
+                if gdn_steps:
+                    steps_conv[i], steps_ssm[i] = conv, ssm
+                    conv, ssm = conv[:, -1], ssm[:, -1]
+                if cache is not None:
+                    cache.conv[i][slot_idx] = conv
+                    cache.ssm[i][slot_idx] = ssm
+            h = blk.feed_forward(h)
+        if cache is not None:
+            for s in slots:
+                cache.lengths[s] += T
+        h_final = self.output_norm(h)
+        rows = self._rows(h_final, logits)
+        steps = GDNSteps(slots, T, steps_conv, steps_ssm) if gdn_steps else None
+        return ForwardOutput(h, h_final, None if rows is None else self.head(rows), steps)
+
+    def prefill(self, tokens: torch.Tensor, cache: ModelCache, slots: list[int] | None = None, *,
+                chunk_tokens: int = 512, logits: str = "last", chunk: int = 64) -> ForwardOutput:
+        """`forward` over a long prompt in pieces of `chunk_tokens` tokens (memory bounded by the piece,
+        not the prompt). Returns the hidden rows of all tokens and the requested logits."""
+        T = tokens.shape[1]
+        outs = []
+        for c0 in range(0, T, chunk_tokens):
+            piece = tokens[:, c0:c0 + chunk_tokens]
+            last_piece = c0 + chunk_tokens >= T
+            want = logits if logits == "all" or last_piece else "none"
+            outs.append(self.forward(piece, cache, slots, logits=want, chunk=chunk))
+        lg = None
+        if logits == "all":
+            lg = torch.cat([o.logits for o in outs], dim=1)
+        elif logits == "last":
+            lg = outs[-1].logits
+        return ForwardOutput(torch.cat([o.hidden_prenorm for o in outs], dim=1),
+                             torch.cat([o.hidden for o in outs], dim=1), lg)
+
+    # -- MTP head --------------------------------------------------------------------------------
+    def mtp_forward(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache | None = None,
+                    slots: list[int] | None = None, *, logits: str = "all", block: int | None = None
+                    ) -> MTPOutput:
+        """The nextn head over rows (token i, hidden i) (spec §6.1).
+
+        tokens [B, T]; hidden [B, T, E]: row i is the main model's hidden state that predicted
+        token i (use `shift_hidden(out.hidden, prev)` for a prompt; for a draft chain pass the
+        previous step's `MTPOutput.hidden`). Row i runs at position cache.mtp_lengths[slot] + i
+        (0 + i without a cache) and writes the MTP KV row there; `cache.mtp_lengths` advances by T.
+        logits='none' only updates the MTP cache (prompt warm-up)."""
+        if not self.cfg.has_mtp:
+            raise InputError("mtp: this model file has no nextn (MTP) block")
+        n = self.cfg.nextn_blocks[0] if block is None else block
+        blk = self.blk[n]
+        nx = blk.nextn
+        B, T = tokens.shape
+        emb = self.embed(tokens) if nx.embed_tokens is None else nx.embed_tokens.weight[tokens].float()
+        u = nx.combine(emb, hidden)
+        if cache is not None:
+            if not cache.has_mtp:
+                raise ValueError("this cache was built without MTP KV")
+            slots, slot_idx, positions, n_keys = self._slots(cache, slots, B, T, cache.mtp_lengths)
+            kv = KVView(cache.mtp_k[n], cache.mtp_v[n], slot_idx, positions, n_keys)
+        else:
+            positions, kv = torch.arange(T, device=self.device).expand(B, T), None
+        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
+        u = u + blk.mixer(blk.attn_norm(u), cos, sin, kv)
+        u = blk.feed_forward(u)
+        if cache is not None:
+            for s in slots:
+                cache.mtp_lengths[s] += T
+        norm = nx.shared_head_norm if nx.shared_head_norm is not None else self.output_norm
+        hm = norm(u)
+        rows = self._rows(hm, logits)
+        if rows is None:
+            return MTPOutput(hm, None)
+        lg = matmul_weight(rows, nx.shared_head_head.weight) if nx.shared_head_head is not None \
+            else self.head(rows)
+        return MTPOutput(hm, lg)
+
+
+# -- loading -------------------------------------------------------------------------------------
+_REFUSED = ("ssm_in.weight", "ssm_ba.weight")
+
+
+def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Qwen35Model:
+    """Build the model from a `GGUFFile` (or a path): every module parameter is the dense dequantized
+    GGUF tensor of the same name (2-D/3-D weights in `dtype`, norms, ssm_a/dt/conv in float32)."""
+    from engine.gguf import open_gguf
+    from engine.weights import load_weights
+
+    if not hasattr(f, "tensors"):
+        f = open_gguf(f)
+    cfg = ModelConfig.from_gguf(f)
+    names = set(f.tensors)
+    for n in names:
+        if n.endswith(_REFUSED):
+            raise ModelFileError(f.path, f"{n}: fused Qwen3-Next tensor in a {cfg.arch} file is not supported")
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Qwen35Model(cfg, dtype, None, names)
+    weights = load_weights(f, "cpu")
+    used = set()
+    params = dict(model.named_parameters())
+    for pname, p in params.items():
+        name = gguf_name(pname)
+        if name not in weights:
+            raise ModelFileError(f.path, f"{name}: required tensor missing")
+        w = weights[name]
+        numel = 1
+        for d in w.shape:
+            numel *= d
+        if numel != p.numel() or (len(w.shape) > 1 and tuple(w.shape[-1:]) != tuple(p.shape[-1:])):
+            raise ModelFileError(f.path, f"{name}: shape {tuple(w.shape)} does not match the expected {tuple(p.shape)}")
+        t = w.dense(p.dtype, device).reshape(p.shape)
+        _set_param(model, pname, t)
+        used.add(name)
+    for n in sorted(names - used):
+        log.info("tensor %s not used by the engine", n)
+    log.info("loaded %s: %s (%s, %s)", f.path, cfg.layer_pattern(), dtype, device)
+    model.eval()
+    return model
+
+
+def _set_param(model: nn.Module, pname: str, value: torch.Tensor) -> None:
+    mod_path, _, attr = pname.rpartition(".")
+    mod = model.get_submodule(mod_path) if mod_path else model
+    setattr(mod, attr, nn.Parameter(value, requires_grad=False))
+
+
+__all__ = ["Block", "ForwardOutput", "MTPOutput", "Qwen35Model", "gguf_name", "load_model", "GDN", "ATTN"]

@@ -1,0 +1,57 @@
+"""Mixture-of-experts FFN of `qwen35moe` (spec/qwen35-gguf.md §4.6): softmax router over all experts,
+top-k, renormalised weights, plus one shared expert scaled by a sigmoid gate.
+
+Expert weights are 3-D `(X, out, in)`; every multiply goes through `matmul_weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.layers import Linear, matmul_weight
+
+
+class ExpertWeights(nn.Module):
+    """Stacked per-expert projection weights `(X, out, in)` (GGUF `ne[in, out, X]`)."""
+
+    def __init__(self, n_expert: int, n_in: int, n_out: int, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_expert, n_out, n_in, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return matmul_weight(x, self.weight[expert])
+
+
+class MoE(nn.Module):
+    """Tensors ffn_gate_inp, ffn_{gate,up,down}_exps, ffn_gate_inp_shexp, ffn_{gate,up,down}_shexp."""
+
+    def __init__(self, cfg, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        E, X, Fe, Fs = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
+        self.n_used = cfg.n_expert_used
+        self.ffn_gate_inp = Linear(E, X, dtype, device)
+        self.ffn_gate_exps = ExpertWeights(X, E, Fe, dtype, device)
+        self.ffn_up_exps = ExpertWeights(X, E, Fe, dtype, device)
+        self.ffn_down_exps = ExpertWeights(X, Fe, E, dtype, device)
+        self.ffn_gate_inp_shexp = Linear(E, 1, dtype, device)
+        self.ffn_gate_shexp = Linear(E, Fs, dtype, device)
+        self.ffn_up_shexp = Linear(E, Fs, dtype, device)
+        self.ffn_down_shexp = Linear(Fs, E, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])                                    # [N, E]
+        probs = torch.softmax(self.ffn_gate_inp(x2).float(), dim=-1)     # [N, X]
+        top_w, top_i = probs.topk(self.n_used, dim=-1)                   # [N, k]
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        routed = torch.zeros_like(x2, dtype=torch.float32)
+        for e in torch.unique(top_i).tolist():
+            rows, which = torch.nonzero(top_i == e, as_tuple=True)
+            h = x2[rows]
+            y = self.ffn_down_exps(F.silu(self.ffn_gate_exps(h, e)) * self.ffn_up_exps(h, e), e)
+            routed = routed.index_add(0, rows, y * top_w[rows, which, None])
+        shared = self.ffn_down_shexp(F.silu(self.ffn_gate_shexp(x2)) * self.ffn_up_shexp(x2))
+        out = routed + torch.sigmoid(self.ffn_gate_inp_shexp(x2)) * shared
+        return out.reshape(shape)
