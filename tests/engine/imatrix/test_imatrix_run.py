@@ -4,6 +4,8 @@ the MTP warm-up's row pairing, and perplexity against exp(mean NLL) and the tran
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import math
 import time
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from engine.errors import InputError
 from engine.gguf import open_gguf
 from engine.imatrix.run import compute_imatrix
 from engine.model import gguf_name, load_model
@@ -198,3 +201,16 @@ def test_dense_fixture_perplexity_matches_reference():
     assert res.meter.ppl == pytest.approx(float(ref["ppl"]), rel=1e-5)
     np.testing.assert_allclose(res.meter.running, ref["ppl_running"], rtol=1e-5)
     print(f"95 chunks, n_ctx 128, MTP on: {seconds:.1f} s, PPL {res.meter.ppl:.5f}")
+
+
+def test_hooks_are_gone_after_a_run_and_mtp_needs_a_nextn_block():
+    model, ref = _model(DENSE), _ref_for(DENSE)
+    tokens = torch.from_numpy(ref["ppl_tokens"])
+    compute_imatrix(model, tokens, N_CTX, max_chunks=2, mtp=True)
+    assert "head" not in vars(model)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+    no_nextn = copy.copy(model)  # shares the weights; only the config says "no MTP block"
+    no_nextn.cfg = dataclasses.replace(model.cfg, n_block=model.cfg.n_layer, n_nextn=0)
+    with pytest.raises(InputError, match="--mtp: this model file has no nextn"):
+        compute_imatrix(no_nextn, tokens, N_CTX, max_chunks=2, mtp=True)
