@@ -1,0 +1,147 @@
+"""Cache equivalences: chunked prefill == one shot, prefill + step decode == full recompute,
+N slots together == each alone, reset == fresh, and speculative rollback (STYLE.md §3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import ModelCache, shift_hidden
+from tests.engine.model.conftest import F32_MODELS, assert_close, get_model, get_ref
+
+TIGHT = {"atol": 2e-5, "rtol": 2e-5}   # same math, different batching / chunking
+
+
+@pytest.fixture(params=sorted(F32_MODELS))
+def model(request):
+    return get_model(F32_MODELS[request.param][0])
+
+
+def _text(n: int, offset: int = 0) -> torch.Tensor:
+    return torch.tensor(get_ref(F32_MODELS["dense"][1])["ppl_tokens"][offset:offset + n], dtype=torch.long)[None]
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 200])
+def test_chunked_prefill_equals_one_shot(model, chunk_tokens):
+    tokens = _text(70)
+    ref = model(tokens)
+    cache = ModelCache(model.cfg, 1, 128)
+    out = model.prefill(tokens, cache, chunk_tokens=chunk_tokens, logits="all")
+    assert cache.lengths == [70]
+    assert_close(out.logits.numpy(), ref.logits.numpy(), "logits", **TIGHT)
+    assert_close(out.hidden.numpy(), ref.hidden.numpy(), "hidden", **TIGHT)
+
+
+@pytest.mark.parametrize("delta_chunk", [1, 7, 64])
+def test_delta_rule_chunk_length_does_not_change_logits(model, delta_chunk):
+    tokens = _text(70, 500)
+    ref = model(tokens, chunk=64)
+    out = model(tokens, chunk=delta_chunk)
+    assert_close(out.logits.numpy(), ref.logits.numpy(), "logits", **TIGHT)
+
+
+def test_prefill_then_decode_equals_full_recompute(model):
+    tokens = _text(40, 1000)
+    full = model(tokens)
+    cache = ModelCache(model.cfg, 1, 64)
+    steps = [model(tokens[:, :25], cache).logits]
+    for t in range(25, 40):
+        steps.append(model(tokens[:, t:t + 1], cache).logits)
+    assert_close(torch.cat(steps, dim=1).numpy(), full.logits.numpy(), "logits", **TIGHT)
+
+
+def test_slots_together_equal_each_alone(model):
+    """Three sequences at different lengths decoded in one batch, rows in shuffled slot order."""
+    prompts = [_text(n, off) for n, off in ((5, 0), (12, 300), (30, 900))]
+    conts = [_text(6, off) for off in (50, 400, 1200)]
+    alone = []
+    for p, c in zip(prompts, conts, strict=True):
+        cache = ModelCache(model.cfg, 1, 64)
+        model(p, cache, logits="none")
+        alone.append(torch.cat([model(c[:, i:i + 1], cache).logits for i in range(6)], dim=1))
+    cache = ModelCache(model.cfg, 4, 64)
+    for slot, p in zip((2, 0, 3), prompts, strict=True):   # slot 1 stays unused
+        model(p, cache, [slot], logits="none")
+    order = [3, 2, 0]                                       # row r -> slot order[r] -> sequence seq[r]
+    seq = [2, 0, 1]
+    got = []
+    for i in range(6):
+        toks = torch.cat([conts[s][:, i:i + 1] for s in seq], dim=0)
+        got.append(model(toks, cache, order).logits)
+    got = torch.cat(got, dim=1)
+    for r, s in enumerate(seq):
+        assert_close(got[r].numpy(), alone[s][0].numpy(), f"sequence {s}", **TIGHT)
+    assert cache.lengths == [18, 0, 11, 36]
+
+
+def test_reset_equals_fresh(model):
+    tokens = _text(20, 2000)
+    fresh = model(tokens, ModelCache(model.cfg, 2, 64), [1]).logits
+    cache = ModelCache(model.cfg, 2, 64)
+    model(_text(33, 100), cache, [1])
+    model(_text(9, 200), cache, [1])
+    model(_text(33, 100), cache, [0])
+    cache.reset(1)
+    assert cache.lengths == [33, 0]
+    assert torch.equal(model(tokens, cache, [1]).logits, fresh)
+
+
+def test_rollback_after_verification_equals_plain_decoding(model):
+    """A verify-style forward of 4 tokens with per-step GDN states, rolled back to 2 accepted
+    tokens, leaves the same KV length and GDN state as decoding just those 2 (within 1e-5 rel)."""
+    prompt, draft = _text(17, 3000), _text(4, 3100)
+    plain = ModelCache(model.cfg, 1, 64)
+    model(prompt, plain, logits="none")
+    plain_logits = [model(draft[:, i:i + 1], plain).logits for i in range(2)]
+    cache = ModelCache(model.cfg, 2, 64)
+    model(prompt, cache, [1], logits="none")
+    out = model(draft, cache, [1], gdn_steps=True)
+    assert out.gdn_steps.conv[0].shape[:2] == (1, 5)
+    assert_close(out.logits[:, :2].numpy(), torch.cat(plain_logits, 1).numpy(), "verify logits", **TIGHT)
+    cache.rollback(out.gdn_steps, [2])
+    assert cache.lengths == [0, 19]
+    for b in model.cfg.gdn_layers:
+        for got, ref in ((cache.conv[b][1], plain.conv[b][0]), (cache.ssm[b][1], plain.ssm[b][0])):
+            assert ((got - ref).abs().max() / ref.abs().max()) <= 1e-5
+    nxt = _text(1, 3200)
+    assert_close(model(nxt, cache, [1]).logits.numpy(), model(nxt, plain).logits.numpy(), "after", **TIGHT)
+
+
+def test_snapshot_restore_and_truncate(model):
+    prompt, extra = _text(10, 4000), _text(5, 4100)
+    cache = ModelCache(model.cfg, 1, 64)
+    model(prompt, cache, logits="none")
+    snap = cache.snapshot_gdn(0)
+    ref = model(_text(1, 4200), ModelCache(model.cfg, 1, 64), logits="none")  # unrelated call
+    del ref
+    model(extra, cache, logits="none")
+    cache.restore_gdn(0, snap)
+    cache.truncate(0, 10)
+    probe = _text(3, 4300)
+    again = model(probe, cache).logits
+    fresh = ModelCache(model.cfg, 1, 64)
+    model(prompt, fresh, logits="none")
+    assert_close(again.numpy(), model(probe, fresh).logits.numpy(), "after restore", **TIGHT)
+
+
+def test_mtp_cache_truncate_and_draft_chain(model):
+    """Drafting one row at a time after a prompt warm-up, then truncating the MTP cache, repeats."""
+    tokens = _text(12, 5000)
+    cache = ModelCache(model.cfg, 1, 64)
+    out = model(tokens, cache, logits="none")
+    model.mtp_forward(tokens, shift_hidden(out.hidden), cache, logits="none")
+    nxt = _text(1, 5012)
+    d1 = model.mtp_forward(nxt, out.hidden[:, -1:], cache)
+    d2 = model.mtp_forward(d1.logits.argmax(-1), d1.hidden, cache)
+    assert cache.mtp_lengths == [14]
+    cache.truncate_mtp(0, 12)
+    e1 = model.mtp_forward(nxt, out.hidden[:, -1:], cache)
+    e2 = model.mtp_forward(e1.logits.argmax(-1), e1.hidden, cache)
+    assert torch.equal(d1.logits, e1.logits) and torch.equal(d2.logits, e2.logits)
+
+
+def test_context_overflow_is_an_input_error(model):
+    from engine.errors import InputError
+    cache = ModelCache(model.cfg, 1, 8)
+    with pytest.raises(InputError, match="n_ctx=8"):
+        model(_text(9), cache)
