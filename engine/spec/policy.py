@@ -1,0 +1,206 @@
+"""`auto`: choose the number of drafts k each round to maximise expected tokens per second.
+
+spec/mtp-speculation.md §4: k* = argmax_k E_k / T_k with E_k = 1 + sum_{j<=k} r_j from per-position
+acceptance estimates and T_k = D·k + V(k+1) + post(k) from measured times; k = 0 is a plain step, and
+after MTP went off it is re-probed with one k = 2 round after N plain steps (16, doubling up to 256).
+Torch-free: the decode loop feeds it acceptance counts and wall times, nothing else.
+"""
+
+from __future__ import annotations
+
+from engine.spec.events import AUTO, CALIBRATING, DISABLED
+from engine.spec.gate import Decision, DraftController, RoundTiming
+
+ALPHA_EMA = 0.1          # acceptance EMA weight (spec §4.2)
+ALPHA_PRIOR = 0.8        # prior of alpha_1
+ALPHA_DECAY = 0.9        # unobserved alpha_j = 0.9 * alpha_{j-1}
+TIME_EMA = 0.25          # weight of the time EMAs
+HYSTERESIS = 1.03        # change k only for >= 3 % predicted gain
+PROBE_K = 2
+PROBE_FIRST = 16
+PROBE_MAX = 256
+CALIBRATION_STEPS = 3    # plain steps measured before the first round; the first is discarded
+PRIOR_VERIFY_SLOPE = 0.25  # V(n) = V(1)·(1 + c·(n-1)) until two sizes are measured
+PRIOR_DRAFT = 0.2        # D = 0.2·T_0 until measured
+PRIOR_POST = 0.1         # post(k) = 0.1·T_0 until measured
+
+REASON_BASELINE = "baseline ready"
+REASON_OFF = "slower than no-MTP"
+REASON_PROBE_WON = "probe won"
+REASON_PROBE_LOST = "probe lost"
+
+
+def _ema(old: float | None, sample: float, weight: float) -> float:
+    return sample if old is None else weight * sample + (1.0 - weight) * old
+
+
+class AutoPolicy(DraftController):
+    """Per-slot online estimates of acceptance r_j and of the round cost; keeps them across requests."""
+
+    name = "auto"
+
+    def __init__(self, k_max: int = 8):
+        if not 1 <= k_max <= 8:
+            raise ValueError(f"k_max must be in 1..8, got {k_max}")
+        self.k_max = k_max
+        self.alpha: list[float | None] = [None] * (k_max + 1)   # index j = 1..k_max; None = never observed
+        self.alpha_n = [0] * (k_max + 1)
+        self.t_plain: float | None = None
+        self.t_verify: dict[int, float] = {}   # rows n -> seconds
+        self.t_draft: float | None = None       # one draft step
+        self.t_post: dict[int, float] = {}     # k -> acceptance-time work
+        self.calibration_seen = 0
+        self.k_current = 0
+        self.off = False
+        self.plain_since_off = 0
+        self.probe_every = PROBE_FIRST
+        self._probing = False
+        self._change: str | None = None
+
+    # --- estimates -------------------------------------------------------------------------
+
+    def alphas(self) -> list[float]:
+        """Conditional acceptance alpha_1..alpha_kmax, unobserved ones extrapolated.
+
+        Before any observation: 0.8 decaying by 0.9 per position (spec §4.2). Past the last observed
+        position the estimate is carried flat (optimistic), so that a longer draft gets tried once
+        and measured instead of being ruled out by an assumed decay forever (censoring)."""
+        out, prev, seen = [], ALPHA_PRIOR / ALPHA_DECAY, False
+        for j in range(1, self.k_max + 1):
+            a = self.alpha[j]
+            if a is not None:
+                prev, seen = a, True
+            elif not seen:
+                prev = prev * ALPHA_DECAY
+            out.append(prev)
+        return out
+
+    def acceptance(self) -> list[float]:
+        """r_1..r_kmax: probability that a round accepts at least j drafts."""
+        r, acc = [], 1.0
+        for a in self.alphas():
+            acc *= a
+            r.append(acc)
+        return r
+
+    def expected_tokens(self, k: int) -> float:
+        return 1.0 + sum(self.acceptance()[:k])
+
+    def verify_cost(self, n: int) -> float:
+        """V(n): measured, interpolated between measured sizes, or extrapolated linearly."""
+        assert self.t_plain is not None
+        if n in self.t_verify:
+            return self.t_verify[n]
+        pts = sorted([(1, self.t_plain), *self.t_verify.items()])
+        lo = [p for p in pts if p[0] < n]
+        hi = [p for p in pts if p[0] > n]
+        if lo and hi:
+            (x0, y0), (x1, y1) = lo[-1], hi[0]
+            return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+        if len(pts) >= 2:
+            mx = sum(x for x, _ in pts) / len(pts)
+            my = sum(y for _, y in pts) / len(pts)
+            sxx = sum((x - mx) ** 2 for x, _ in pts)
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in pts) / sxx)
+            x_last, y_last = lo[-1]
+            return y_last + slope * (n - x_last)
+        return self.t_plain * (1.0 + PRIOR_VERIFY_SLOPE * (n - 1))
+
+    def round_cost(self, k: int) -> float:
+        """T_k, spec §4.1; T_0 = the measured plain step (V(1) + U(1))."""
+        assert self.t_plain is not None
+        if k == 0:
+            return self.t_plain
+        d = self.t_draft if self.t_draft is not None else PRIOR_DRAFT * self.t_plain
+        if k in self.t_post:
+            post = self.t_post[k]
+        elif self.t_post:
+            post = self.t_post[min(self.t_post, key=lambda m: abs(m - k))]
+        else:
+            post = PRIOR_POST * self.t_plain
+        return d * k + self.verify_cost(k + 1) + post
+
+    def rate(self, k: int) -> float:
+        """Predicted tokens per second of a round with k drafts."""
+        return self.expected_tokens(k) / self.round_cost(k)
+
+    def best_k(self, k_cap: int) -> int:
+        cands = range(0, min(self.k_max, k_cap) + 1)
+        return max(cands, key=lambda k: (self.rate(k), -k))
+
+    @property
+    def baseline_tps(self) -> float:
+        return 1.0 / self.t_plain if self.t_plain else 0.0
+
+    @property
+    def state(self) -> str:  # type: ignore[override]
+        if self.t_plain is None or self.calibration_seen < CALIBRATION_STEPS:
+            return CALIBRATING
+        return DISABLED if self.off else AUTO
+
+    def new_request(self) -> None:
+        """Keep the learned acceptance and times; forget the request-local probe schedule."""
+        self.plain_since_off = 0
+        self._probing = False
+
+    # --- decisions -------------------------------------------------------------------------
+
+    def decide(self, k_cap: int) -> Decision:
+        if self.state == CALIBRATING or k_cap <= 0:
+            return Decision(0, "plain", self.baseline_tps)
+        if self.off:
+            if self.plain_since_off >= self.probe_every:
+                self._probing = True
+                k = min(PROBE_K, k_cap)
+                return Decision(k, "probe", self.rate(k))
+            return Decision(0, "plain", self.baseline_tps)
+        best = self.best_k(self.k_max)
+        cur = self.k_current
+        if cur == 0 or self.rate(best) >= HYSTERESIS * self.rate(cur):
+            cur = best
+        if cur == 0:
+            self.off, self.plain_since_off, self.k_current = True, 0, 0
+            self._change = REASON_OFF
+            return Decision(0, "plain", self.baseline_tps)
+        self.k_current = cur
+        k = min(cur, k_cap)
+        return Decision(k, "round", self.rate(k))
+
+    def observe_plain(self, step_s: float) -> None:
+        if step_s <= 0:
+            return
+        was_calibrating = self.state == CALIBRATING
+        self.calibration_seen += 1
+        if self.calibration_seen > 1:   # the first step of a fresh policy carries one-time costs
+            self.t_plain = _ema(self.t_plain, step_s, TIME_EMA)
+        if self.off:
+            self.plain_since_off += 1
+        if was_calibrating and self.state != CALIBRATING:
+            self._change = REASON_BASELINE
+
+    def observe_round(self, k: int, accepted: int, timing: RoundTiming) -> None:
+        if k <= 0:
+            return
+        # alpha_j is observed by rounds with k >= j whose drafts 1..j-1 were accepted (spec §4.2)
+        for j in range(1, min(k, accepted + 1) + 1):
+            hit = 1.0 if j <= accepted else 0.0
+            self.alpha_n[j] += 1
+            # the prior counts as one observation, then a fixed EMA weight of 0.1
+            w = max(ALPHA_EMA, 1.0 / (self.alpha_n[j] + 1))
+            prior = self.alpha[j] if self.alpha[j] is not None else self.alphas()[j - 1]
+            self.alpha[j] = w * hit + (1.0 - w) * prior
+        self.t_draft = _ema(self.t_draft, timing.draft_s / k, TIME_EMA)
+        self.t_verify[k + 1] = _ema(self.t_verify.get(k + 1), timing.verify_s, TIME_EMA)
+        self.t_post[k] = _ema(self.t_post.get(k), timing.post_s, TIME_EMA)
+        if self._probing:
+            self._probing = False
+            self.plain_since_off = 0
+            best = self.best_k(self.k_max)
+            if best > 0 and self.rate(best) >= HYSTERESIS * self.rate(0):
+                self.off, self.k_current, self.probe_every = False, best, PROBE_FIRST
+                self._change = REASON_PROBE_WON
+            else:
+                # a probe whose drafts were all accepted is a sign of change: look again soon
+                full = accepted >= k
+                self.probe_every = PROBE_FIRST if full else min(2 * self.probe_every, PROBE_MAX)
+                self._change = REASON_PROBE_LOST

@@ -1,0 +1,169 @@
+"""The `auto` policy (spec/mtp-speculation.md §4) on synthetic acceptance and timing histories.
+
+A simulated slot: a plain step costs T0; a round with k drafts costs D·k + V(k+1) + post; each draft
+position is accepted with a given conditional probability. Seeds are in the failure messages.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.spec.events import AUTO, CALIBRATING, DISABLED
+from engine.spec.gate import RoundTiming
+from engine.spec.policy import PROBE_FIRST, PROBE_MAX, AutoPolicy
+
+
+class Sim:
+    def __init__(self, t0=1.0, d=0.05, slope=0.1, post=0.02, alpha=0.9, seed=0):
+        self.t0, self.d, self.slope, self.post = t0, d, slope, post
+        self.alpha = alpha            # float, or callable(token_index) -> float
+        self.rng = random.Random(seed)
+        self.tokens = 0
+        self.time = 0.0
+        self.ks: list[int] = []
+        self.kinds: list[str] = []
+        self.changes: list[tuple[int, str]] = []
+
+    def verify(self, n):
+        return self.t0 * (1 + self.slope * (n - 1))
+
+    def run(self, pol: AutoPolicy, n_tokens: int):
+        end = self.tokens + n_tokens
+        while self.tokens < end:
+            dec = pol.decide(end - self.tokens - 1)
+            self.ks.append(dec.k)
+            self.kinds.append(dec.kind)
+            if dec.k == 0:
+                pol.observe_plain(self.t0)
+                self.time += self.t0
+                self.tokens += 1
+            else:
+                alpha = self.alpha(self.tokens) if callable(self.alpha) else self.alpha
+                a = 0
+                while a < dec.k and self.rng.random() < alpha:
+                    a += 1
+                t = RoundTiming(self.d * dec.k, self.verify(dec.k + 1), self.post)
+                pol.observe_round(dec.k, a, t)
+                self.time += t.round_s
+                self.tokens += a + 1
+            ch = pol.pop_change()
+            if ch:
+                self.changes.append((self.tokens, ch))
+        return self
+
+
+def _best_k_exact(sim: Sim, alpha: float, k_max: int) -> int:
+    def rate(k):
+        if k == 0:
+            return 1 / sim.t0
+        e = 1 + sum(alpha ** j for j in range(1, k + 1))
+        return e / (sim.d * k + sim.verify(k + 1) + sim.post)
+    return max(range(k_max + 1), key=rate)
+
+
+def test_calibrates_with_plain_steps_first():
+    pol = AutoPolicy(4)
+    assert pol.state == CALIBRATING
+    sim = Sim().run(pol, 3)
+    assert sim.ks == [0, 0, 0] and pol.state == AUTO
+    assert sim.changes[0][1] == "baseline ready"
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("alpha,slope", [(0.9, 0.05), (0.7, 0.1), (0.6, 0.2), (0.95, 0.02)])
+def test_converges_to_the_rate_maximising_k(alpha, slope, seed):
+    sim = Sim(alpha=alpha, slope=slope, seed=seed)
+    pol = AutoPolicy(8)
+    sim.run(pol, 1500)
+    t_mid, n_mid = sim.time, sim.tokens
+    sim.run(pol, 1500)
+    achieved = (sim.tokens - n_mid) / (sim.time - t_mid)
+    want = _best_k_exact(sim, alpha, 8)
+
+    def true_rate(k):
+        e = 1 + sum(alpha ** j for j in range(1, k + 1))
+        return e / (sim.d * k + sim.verify(k + 1) + sim.post) if k else 1 / sim.t0
+    # the estimates are noisy (EMA 0.1): the achieved rate is within 7 % of the best fixed k
+    assert achieved >= 0.93 * true_rate(want), (seed, achieved, want, true_rate(want), sim.ks[-20:])
+
+
+def test_expensive_verification_turns_mtp_off():
+    """CPU-like cost (verify grows one plain step per row) at 0.5 acceptance: plain is faster."""
+    sim = Sim(alpha=0.5, slope=1.0, d=0.25, post=0.1, seed=1)
+    pol = AutoPolicy(4)
+    sim.run(pol, 400)
+    assert pol.state == DISABLED
+    assert ("slower than no-MTP" in [c for _, c in sim.changes])
+    # after going off, rounds are only probes
+    first_off = next(i for i, (k, kind) in enumerate(zip(sim.ks, sim.kinds, strict=True))
+                     if k == 0 and i > 3 and kind == "plain")
+    assert all(kind in ("plain", "probe") for kind in sim.kinds[first_off + 1:])
+
+
+def test_all_rejected_turns_off_fast_and_probes_with_doubling_interval():
+    sim = Sim(alpha=0.0, seed=2)
+    pol = AutoPolicy(8)
+    sim.run(pol, 1000)
+    rounds_before_off = sim.kinds.count("round")
+    assert rounds_before_off <= 6, rounds_before_off
+    probes = [i for i, kind in enumerate(sim.kinds) if kind == "probe"]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
+    assert probes and gaps[:4] == [32, 64, 128, 256][: len(gaps[:4])], gaps
+    assert max(gaps) <= PROBE_MAX
+    assert all(k == 2 for i, k in enumerate(sim.ks) if sim.kinds[i] == "probe")
+    # pure overhead: tokens per unit time stays within a few % of plain decoding
+    assert 1000 / sim.time >= 0.95 / sim.t0
+
+
+def test_prose_then_code_gets_mtp_back():
+    """Acceptance 0.05 for 600 tokens, then 0.9: MTP goes off, then a probe wins it back."""
+    switch = 600
+    sim = Sim(alpha=lambda t: 0.05 if t < switch else 0.9, slope=0.05, seed=3)
+    pol = AutoPolicy(6)
+    sim.run(pol, switch)
+    assert pol.state == DISABLED
+    sim.run(pol, 800)
+    won = [t for t, c in sim.changes if c == "probe won" and t >= switch]
+    assert won and won[0] - switch <= PROBE_MAX + 64, sim.changes
+    assert pol.state == AUTO and max(sim.ks[-20:]) >= 2
+
+
+def _fixed_estimates(v4: float, v5: float) -> AutoPolicy:
+    pol = AutoPolicy(8)
+    Sim().run(pol, 3)
+    pol.t_plain, pol.t_draft = 1.0, 0.0
+    for j in range(1, 9):
+        pol.alpha[j] = 0.8
+    for k in range(1, 9):
+        pol.t_post[k] = 0.0
+        pol.t_verify[k + 1] = 100.0
+    pol.t_verify[4], pol.t_verify[5] = v4, v5
+    pol.k_current = 3
+    return pol
+
+
+def test_hysteresis_keeps_k_when_gain_is_small():
+    e3, e4 = 1 + 0.8 + 0.64 + 0.512, 1 + 0.8 + 0.64 + 0.512 + 0.4096
+    rate3 = e3 / 2.0
+    pol = _fixed_estimates(2.0, e4 / (1.01 * rate3))      # k = 4 predicted 1 % faster
+    assert pol.best_k(8) == 4 and pol.decide(8).k == 3
+    pol = _fixed_estimates(2.0, e4 / (1.05 * rate3))      # 5 % faster: switch
+    assert pol.decide(8).k == 4
+
+
+def test_k_is_capped_by_the_budget_and_zero_cap_is_plain():
+    pol = AutoPolicy(8)
+    Sim(alpha=0.95, slope=0.02).run(pol, 50)
+    assert pol.decide(1).k == 1
+    d = pol.decide(0)
+    assert d.k == 0 and d.kind == "plain"
+
+
+def test_probe_schedule_resets_after_a_win():
+    pol = AutoPolicy(4)
+    Sim(alpha=0.0, seed=4).run(pol, 200)
+    assert pol.probe_every > PROBE_FIRST
+    Sim(alpha=1.0, seed=4, slope=0.02).run(pol, 600)
+    assert pol.state == AUTO and pol.probe_every == PROBE_FIRST
