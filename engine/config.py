@@ -7,6 +7,7 @@ so RYS files with repeated spans load.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,12 @@ from engine.errors import ModelFileError
 GDN = "GDN"
 ATTN = "ATTN"
 SUPPORTED_ARCHS = ("qwen35", "qwen35moe")
+MAX_DIM = 2**31 - 1   # no dimension of a real model comes near this; bounds all later arithmetic
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,10 @@ class ModelConfig:
             if typ is float and isinstance(v, int) and not isinstance(v, bool):
                 v = float(v)
             if isinstance(v, bool) or not isinstance(v, typ):
-                raise ModelFileError(path, f"{full}: expected {getattr(typ, '__name__', typ)}, got {type(v).__name__}")
+                vt = getattr(f, "value_types", {}).get(full)
+                found = str(vt) if vt is not None else type(v).__name__
+                want = "an integer" if typ is int else "a number"
+                raise ModelFileError(path, f"{full}: expected {want}, found {found}")
             if typ is int and v < 0:
                 raise ModelFileError(path, f"{full}: negative value {v}")
             return v
@@ -115,13 +125,13 @@ class ModelConfig:
         n_nextn = key("nextn_predict_layers", default=0)
         if n_block <= 0 or n_block > 4096:
             raise ModelFileError(path, f"{arch}.block_count: {n_block} out of range 1..4096")
+        if n_nextn >= n_block:
+            raise ModelFileError(path, f"{arch}.nextn_predict_layers: {n_nextn} >= block_count {n_block}")
         # A file may declare MTP blocks whose tensors were dropped: trust tensors.
         if n_nextn and f"blk.{n_block - n_nextn}.nextn.eh_proj.weight" not in names \
                 and f"blk.{n_block - n_nextn}.attn_norm.weight" not in names:
             n_block -= n_nextn
             n_nextn = 0
-        if n_nextn >= n_block:
-            raise ModelFileError(path, f"{arch}.nextn_predict_layers: {n_nextn} >= block_count {n_block}")
         interval = key("full_attention_interval", default=4) or 4
         kinds = []
         for i in range(n_block - n_nextn):
@@ -138,11 +148,15 @@ class ModelConfig:
         n_head = key("attention.head_count")
         n_head_kv = key("attention.head_count_kv", default=n_head)
         head_dim = key("attention.key_length")
-        if key("attention.value_length") != head_dim:
-            raise ModelFileError(path, f"{arch}.attention.value_length: differs from key_length {head_dim}")
+        value_length = key("attention.value_length")
+        if value_length != head_dim:
+            raise ModelFileError(path, f"{arch}.attention.value_length: {value_length} differs from "
+                                       f"{arch}.attention.key_length {head_dim}")
         sections = md.get(f"{arch}.rope.dimension_sections", [])
-        if not isinstance(sections, list):
-            raise ModelFileError(path, f"{arch}.rope.dimension_sections: expected an array")
+        if not isinstance(sections, list) or len(sections) > 4 \
+                or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sections):
+            raise ModelFileError(path, f"{arch}.rope.dimension_sections: expected an array of at most 4 "
+                                       f"non-negative integers, found {_short(sections)}")
         is_moe = arch == "qwen35moe"
         vocab_rows = f.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in f.tensors else 0
         cfg = cls(
@@ -173,11 +187,24 @@ class ModelConfig:
             tied_output="output.weight" not in names,
             attention_scale=key("attention.scale", float, required=False),
         )
-        for name, v in (("embedding_length", cfg.n_embd), ("attention.head_count", n_head),
-                        ("attention.head_count_kv", n_head_kv), ("attention.key_length", head_dim),
-                        ("ssm.time_step_rank", cfg.ssm_dt_rank), ("ssm.group_count", cfg.ssm_n_group)):
-            if v <= 0:
-                raise ModelFileError(path, f"{arch}.{name}: must be positive, got {v}")
+        positive = [("embedding_length", cfg.n_embd), ("attention.head_count", n_head),
+                    ("attention.head_count_kv", n_head_kv), ("attention.key_length", head_dim),
+                    ("context_length", cfg.context_length), ("ssm.conv_kernel", cfg.ssm_conv_kernel),
+                    ("ssm.state_size", cfg.ssm_d_state), ("ssm.inner_size", cfg.ssm_d_inner),
+                    ("ssm.time_step_rank", cfg.ssm_dt_rank), ("ssm.group_count", cfg.ssm_n_group)]
+        if is_moe:
+            positive += [("expert_count", cfg.n_expert), ("expert_feed_forward_length", cfg.n_ff_exp)]
+        else:
+            positive.append(("feed_forward_length", cfg.n_ff))
+        for name, v in positive:
+            if not 0 < v <= MAX_DIM:
+                raise ModelFileError(path, f"{arch}.{name}: expected an integer in 1..{MAX_DIM}, found {v}")
+        if cfg.n_ff_shexp > MAX_DIM or cfg.n_ff > MAX_DIM:
+            raise ModelFileError(path, f"{arch}: feed-forward length out of range")
+        for name, v in (("rope.freq_base", cfg.rope_theta), ("attention.layer_norm_rms_epsilon", cfg.rms_eps),
+                        ("attention.scale", cfg.attention_scale)):
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ModelFileError(path, f"{arch}.{name}: expected a finite positive number, found {v}")
         if n_head % n_head_kv:
             raise ModelFileError(path, f"{arch}.attention.head_count_kv: {n_head_kv} does not divide head_count {n_head}")
         if cfg.rope_dim > head_dim or cfg.rope_dim % 2:

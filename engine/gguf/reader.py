@@ -1,19 +1,24 @@
-"""Reading a GGUF file into owned Python/numpy objects.
+"""A checked GGUF file: metadata as plain Python values, tensor infos, owned tensor bytes.
 
-The file is read once; metadata values become plain Python values (str, int, float, bool, list) and
-tensor bytes are copied out of the map, so a file truncated or replaced later cannot SIGBUS us.
+The header comes from `precheck.read_header` (the ten loader checks, bounded reads, no memory map).
+Tensor bytes are read with `pread` into arrays we own, on demand, after checking with `fstat` that
+the file is still the one whose header was checked; so a file truncated or replaced later gives a
+`ModelFileError`, never a SIGBUS (spec/reliability-matrix.md A6).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType
 
 from engine.errors import ModelFileError
+from engine.gguf.precheck import FileStamp, Header, ValueType, read_header
 
 
 @dataclass(frozen=True)
@@ -31,64 +36,98 @@ class TensorInfo:
             n *= d
         return n
 
+    @property
+    def ne(self) -> tuple[int, ...]:
+        """GGUF order (ne0 first), as the spec's tables write shapes."""
+        return tuple(reversed(self.shape))
+
 
 class GGUFFile:
-    """A parsed GGUF: `metadata` (key -> Python value), `tensors` (name -> TensorInfo), owned bytes."""
+    """A parsed GGUF: `metadata` (key -> Python value), `tensors` (name -> TensorInfo), owned bytes.
+
+    `value_types` gives the GGUF type of each metadata value (for semantic checks). Tensor bytes are
+    read from the file on request (`tensor_bytes`, `read_tensors`), or served from `blobs` when the
+    object was built in memory.
+    """
 
     def __init__(self, path: Path, metadata: dict[str, Any], tensors: dict[str, TensorInfo],
-                 blobs: dict[str, np.ndarray]):
-        self.path = path
+                 blobs: dict[str, np.ndarray] | None = None, *, header: Header | None = None):
+        self.path = Path(path)
         self.metadata = metadata
         self.tensors = tensors
         self._blobs = blobs
-
-    def tensor_bytes(self, name: str) -> np.ndarray:
-        """The raw bytes of a tensor as an owned uint8 array (packed GGUF blocks for quantized types)."""
-        return self._blobs[name]
+        self.header = header
+        self.value_types: dict[str, ValueType] = header.value_types if header is not None else {}
 
     @property
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
 
+    @property
+    def file_size(self) -> int | None:
+        return self.header.stamp.size if self.header is not None else None
 
-def _field_value(field: Any) -> Any:
-    types = field.types
-    if not types:
-        return None
-    if types[0] == GGUFValueType.ARRAY:
-        if len(types) > 1 and types[1] == GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    v = field.parts[field.data[0]].tolist()[0]
-    if types[0] == GGUFValueType.BOOL:
-        return bool(v)
-    return v
+    def tensor_bytes(self, name: str) -> np.ndarray:
+        """The raw bytes of a tensor as an owned uint8 array (packed GGUF blocks for quantized types)."""
+        if name not in self.tensors:
+            raise KeyError(name)
+        return next(iter(self.read_tensors([name])))[1]
+
+    def read_tensors(self, names: Iterable[str] | None = None) -> Iterable[tuple[str, np.ndarray]]:
+        """Yield (name, owned uint8 array) for `names` (default: all), in file order, through one descriptor.
+
+        The file's size, mtime, inode and device must still match what they were when the header was
+        checked, before and after each read; otherwise ModelFileError("model file changed ...").
+        """
+        wanted = list(self.tensors) if names is None else list(names)
+        infos = sorted((self.tensors[n] for n in wanted), key=lambda t: t.offset)
+        if self._blobs is not None:
+            for t in infos:
+                yield t.name, self._blobs[t.name]
+            return
+        if self.header is None:
+            raise ModelFileError(self.path, "no tensor data: this GGUFFile was built without a file")
+        yield from _read_owned(self.path, self.header.stamp, infos)
+
+
+def _stamp_of(fd: int) -> FileStamp:
+    return FileStamp.of(os.fstat(fd))
+
+
+def _read_owned(path: Path, stamp: FileStamp, infos: list[TensorInfo]) -> Iterable[tuple[str, np.ndarray]]:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    except OSError as exc:
+        raise ModelFileError(path, f"cannot reopen the model file: {exc.strerror}") from None
+    try:
+        if _stamp_of(fd) != stamp:
+            raise ModelFileError(path, "model file changed since it was opened (size, mtime or inode differ)")
+        for t in infos:
+            out = np.empty(t.n_bytes, dtype=np.uint8)
+            view = memoryview(out)
+            done = 0
+            while done < t.n_bytes:
+                try:
+                    n = os.preadv(fd, [view[done:]], t.offset + done)
+                except OSError as exc:
+                    raise ModelFileError(path, f"tensor {t.name!r}: read error at offset {t.offset + done}: "
+                                               f"{exc.strerror}") from None
+                if n == 0:
+                    raise ModelFileError(path, f"tensor {t.name!r}: unexpected end of file at offset "
+                                               f"{t.offset + done}: model file changed while loading")
+                done += n
+            if _stamp_of(fd) != stamp:
+                raise ModelFileError(path, f"model file changed while loading (at tensor {t.name!r})")
+            yield t.name, out
+    finally:
+        os.close(fd)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    path = Path(path)
-    if not path.is_file():
-        raise ModelFileError(path, "no such file")
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, OSError, UnicodeDecodeError) as exc:
-        raise ModelFileError(path, f"not a readable GGUF file ({exc})") from None
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            metadata[key] = _field_value(field)
-        except UnicodeDecodeError:
-            raise ModelFileError(path, f"metadata key {key!r}: string is not valid UTF-8") from None
-    tensors: dict[str, TensorInfo] = {}
-    blobs: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(list(t.shape)))
-        tensors[t.name] = TensorInfo(t.name, GGMLQuantizationType(int(t.tensor_type)), shape,
-                                     int(t.n_bytes), int(t.data_offset))
-        blobs[t.name] = np.array(t.data, copy=True).view(np.uint8).reshape(-1)
-    del reader
-    return GGUFFile(path, metadata, tensors, blobs)
+    """Check and parse the header of any GGUF (a model or a tokenizer-only file). Reads no tensor data."""
+    header = read_header(path)
+    tensors = {}
+    for t in header.tensors:
+        tensors[t.name] = TensorInfo(t.name, t.ggml_type, tuple(reversed(t.ne)), t.n_bytes,
+                                     header.data_start + t.rel_offset)
+    return GGUFFile(header.path, header.metadata, tensors, header=header)
