@@ -1,0 +1,106 @@
+"""`mtpchat logits --model PATH --tokens 1,2,3 --out logits.npy [--device] [--dtype] [--mtp-out mtp.npy]`:
+the float32 logits [T, vocab] of one prefill, and optionally the MTP head's rows (spec §6.3 indexing:
+row i pairs token i with the main model's post-norm hidden row i-1, zeros for row 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.errors import InputError
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("logits", help="write the logits of one prefill to a .npy file",
+                              description="Run one prefill of the given token ids and write the float32 logits "
+                                          "[T, vocab] of every position (and, with --mtp-out, the MTP head's).")
+    add_model_args(p)
+    p.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--out", required=True, type=Path, help="output .npy file (float32 [T, vocab])")
+    p.add_argument("--mtp-out", type=Path, help="also write the MTP head's logits (float32 [T, vocab])")
+    p.set_defaults(func=run)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --device, --dtype, --threads (shared with `generate`)."""
+    p.add_argument("--model", type=Path, help="GGUF model file (default: the bundled demo model)")
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="weight dtype: float32 (default on cpu) or bfloat16 (default on cuda)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+
+
+def default_model() -> Path:
+    """The bundled demo model (resources/**/*.gguf), or an InputError."""
+    here = Path(__file__).resolve().parents[2] / "resources"
+    found = sorted(here.glob("**/*.gguf")) if here.is_dir() else []
+    if not found:
+        raise InputError("--model: required (no bundled demo model found)")
+    return found[0]
+
+
+def load_from_args(args: argparse.Namespace):
+    """(GGUFFile, model) for --model/--device/--dtype/--threads; user errors raise MtpchatError."""
+    import torch
+
+    from engine.gguf import open_gguf
+    from engine.model import load_model
+
+    if args.threads < 0:
+        raise InputError(f"--threads: must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device: cuda is not available on this machine")
+    dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    f = open_gguf(args.model or default_model())
+    return f, load_model(f, device=args.device, dtype=getattr(torch, dtype_name))
+
+
+def parse_token_ids(text: str, n_vocab: int, what: str = "--tokens") -> list[int]:
+    try:
+        ids = [int(s) for s in text.replace(" ", "").split(",") if s != ""]
+    except ValueError:
+        raise InputError(f"{what}: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise InputError(f"{what}: no token ids given")
+    for t in ids:
+        if not 0 <= t < n_vocab:
+            raise InputError(f"{what}: token id {t} is outside the vocabulary (0..{n_vocab - 1})")
+    return ids
+
+
+def _save(path: Path, array, what: str) -> None:
+    import numpy as np
+
+    try:
+        with open(path, "wb") as fh:   # exactly this path (np.save on a name would append .npy)
+            np.save(fh, array)
+    except OSError as exc:
+        raise InputError(f"{what}: cannot write {path} ({exc.strerror or exc})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.model import shift_hidden
+
+    for what, path in (("--out", args.out), ("--mtp-out", args.mtp_out)):
+        if path is not None and not path.parent.is_dir():
+            raise InputError(f"{what}: folder {path.parent} does not exist")
+    _, model = load_from_args(args)
+    ids = parse_token_ids(args.tokens, model.cfg.n_vocab)
+    if args.mtp_out is not None and not model.cfg.has_mtp:
+        raise InputError("--mtp-out: this model file has no nextn (MTP) block")
+    with torch.inference_mode():
+        tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
+        out = model(tokens)
+        _save(args.out, out.logits[0].float().cpu().numpy(), "--out")
+        if args.mtp_out is not None:
+            mtp = model.mtp_forward(tokens, shift_hidden(out.hidden))
+            _save(args.mtp_out, mtp.logits[0].float().cpu().numpy(), "--mtp-out")
+    return 0
