@@ -225,7 +225,7 @@ class _Parser:
                             f"of {MAX_ARRAY_ELEMENTS}")
         esize = 8 if etype == GGUFValueType.STRING else _SCALAR[etype][1]
         if count * esize > self.remaining:
-            raise self.fail(f"offset {count_at}: metadata key {key!r}: array of {count} {etype.name.lower()} "
+            raise self.fail(f"offset {count_at}: metadata key {key!r}: array of {count} {etype.name.lower()} elements "
                             f"needs at least {count * esize} bytes, {self.remaining} left in the file")
         vt = ValueType(GGUFValueType.ARRAY, etype)
         if etype == GGUFValueType.STRING:
