@@ -1,0 +1,75 @@
+"""`mtpchat imatrix`: tokenises the text with the model's tokenizer, prints llama.cpp's running perplexity,
+writes a GGUF imatrix that the gguf package reads back, and refuses bad input with one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from app.cli import main
+from tests.conftest import fixture_path
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _args(tmp_path, *extra):
+    return ["imatrix", "--model", str(fixture_path("models/tiny-qwen35-f32.gguf")),
+            "--text", str(fixture_path("text/fixture-text.txt")), "--ctx", "128", "--threads", "1", *extra]
+
+
+def _tensor_names(path):
+    return {t.name for t in GGUFReader(str(path)).tensors}
+
+
+def test_prints_running_perplexity_and_writes_gguf(tmp_path, capsys):
+    out = tmp_path / "imatrix.gguf"
+    assert main(_args(tmp_path, "--chunks", "4", "--out", str(out), "--batch", "256")) == 0
+    stdout = capsys.readouterr().out.splitlines()
+    # the text goes through the model's tokenizer: same tokens as the reference, so the same values
+    running = np.load(fixture_path("ref/tiny-qwen35.npz"))["ppl_running"][:4]
+    assert stdout[0] == "".join(f"[{i + 1}]{v:.4f}," for i, v in enumerate(running))
+    assert stdout[1].startswith(f"Final estimate: PPL = {running[-1]:.4f} +/- ")
+
+    r = GGUFReader(str(out))
+    f = r.fields["imatrix.datasets"]
+    assert [bytes(f.parts[i]).decode() for i in f.data] == [str(fixture_path("text/fixture-text.txt"))]
+    assert int(r.fields["imatrix.chunk_count"].parts[-1][0]) == 4
+    assert int(r.fields["imatrix.chunk_size"].parts[-1][0]) == 128
+    names = _tensor_names(out)
+    assert "blk.4.nextn.eh_proj.weight.in_sum2" in names and "output.weight.counts" in names
+    counts = {t.name: float(t.data.reshape(-1)[0]) for t in r.tensors if t.name.endswith(".counts")}
+    assert set(counts.values()) == {4 * 128.0}
+
+
+def test_no_mtp_and_json(tmp_path, capsys):
+    out = tmp_path / "imatrix.gguf"
+    assert main(_args(tmp_path, "--chunks", "2", "--out", str(out), "--no-mtp", "--json")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["mtp"] is False and doc["chunks"] == 2 and doc["n_tokens"] == 12257
+    assert not any(n.startswith("blk.4.") for n in _tensor_names(out))
+    assert doc["entries"] == len(_tensor_names(out)) // 3
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--ctx", "8192"], "error: --text: tokenizes to 12257 tokens; a context of 8192 needs at least 16384"),
+    (["--chunks", "0"], "error: --chunks: 0 must be at least 1"),
+])
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, extra, message):
+    assert main(_args(tmp_path, "--out", str(tmp_path / "x.gguf"), *extra)) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == message
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_missing_out_folder_is_refused_before_work(tmp_path, capsys):
+    assert main(_args(tmp_path, "--out", str(tmp_path / "no" / "x.gguf"))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out: {tmp_path / 'no' / 'x.gguf'}: folder {tmp_path / 'no'} does not exist"]
