@@ -26,7 +26,10 @@ def register(subparsers) -> None:
                     "the main model's hidden states of every chunk, so its tensors get entries too.")
     p.add_argument("--model", type=Path, help="GGUF model file (default: the bundled demo model)")
     p.add_argument("--text", type=Path, required=True, help="calibration text, UTF-8 (one trailing newline dropped)")
-    p.add_argument("--out", type=Path, required=True, help="imatrix file to write (GGUF)")
+    p.add_argument("--out", type=Path, required=True, help="imatrix file to write")
+    p.add_argument("--output-format", choices=("gguf", "dat"), default="gguf",
+                   help="gguf: llama.cpp's current format (default); dat: the legacy binary format, the only "
+                        "one ik_llama.cpp's llama-quantize reads")
     p.add_argument("--ctx", type=int, default=512, metavar="N", help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=int, default=None, metavar="N",
                    help="process at most N chunks (default: every whole chunk of the text)")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine.gguf import open_gguf
-    from engine.imatrix.gguf_format import write_imatrix
+    from engine.imatrix.gguf_format import write_imatrix, write_imatrix_dat
     from engine.imatrix.perplexity import count_chunks, read_calibration_text
     from engine.imatrix.run import compute_imatrix
     from engine.model import load_model
@@ -101,8 +104,13 @@ def run(args: argparse.Namespace) -> int:
         result = compute_imatrix(model, tokens, args.ctx, max_chunks=args.chunks, mtp=mtp, bos_id=bos,
                                  chunks_per_batch=max(1, args.batch // args.ctx), on_chunk=on_chunk)
     try:
-        write_imatrix(args.out, result.entries, [str(args.text)], chunk_count=result.n_chunk,
-                      chunk_size=args.ctx)
+        if args.output_format == "dat":
+            n_written = write_imatrix_dat(args.out, result.entries, str(args.text), chunk_count=result.n_chunk,
+                                          chunk_size=args.ctx)
+        else:
+            write_imatrix(args.out, result.entries, [str(args.text)], chunk_count=result.n_chunk,
+                          chunk_size=args.ctx)
+            n_written = len(result.entries)
     except OSError as exc:
         raise InputError(f"--out: {args.out}: {exc.strerror or exc}") from None
 
@@ -110,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"model": str(path), "text": str(args.text), "out": str(args.out), "n_tokens": int(tokens.shape[0]),
                "n_ctx": args.ctx, "chunks": result.n_chunk, "mtp": mtp, "ppl": meter.ppl,
-               "ppl_error": meter.ppl_error, "ppl_running": meter.running, "entries": len(result.entries),
+               "ppl_error": meter.ppl_error, "ppl_running": meter.running, "entries": n_written,
+               "output_format": args.output_format,
                "seconds": result.seconds}
         sys.stdout.write(json.dumps(doc) + "\n")
         return 0
@@ -121,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(f"Final estimate: PPL = {meter.ppl:.4f} +/- {meter.ppl_error:.5f}\n")
     else:
         sys.stdout.write(f"Final estimate: PPL = {meter.ppl:.4f}\n")
-    err.write(f"imatrix: {len(result.entries)} entries, {result.n_chunk} chunks, {result.seconds:.1f} s "
+    err.write(f"imatrix: {n_written} entries ({args.output_format}), {result.n_chunk} chunks, {result.seconds:.1f} s "
               f"-> {args.out}\n")
     return 0
 

@@ -3,10 +3,12 @@
 The file `llama-quantize --imatrix` reads: `general.type` = "imatrix", `imatrix.datasets` (strings),
 `imatrix.chunk_count` and `imatrix.chunk_size` (u32), and per weight `<name>.in_sum2` (F32, ne [n_cols, n_mat]),
 `<name>.counts` (F32, ne [1, n_mat]) and the optional `<name>.in_sum`, sorted by weight name. No architecture key.
+Also the legacy `.dat` layout, for ik_llama.cpp's quantize, which reads nothing else.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,3 +107,58 @@ def read_imatrix(path: str | Path) -> ImatrixFile:
         entries[name] = ImatrixEntry(in_sum2, np.zeros_like(in_sum2) if in_sum is None else in_sum.astype(np.float64),
                                      np.rint(counts).astype(np.int64))
     return ImatrixFile(datasets, chunk_count, chunk_size, entries)
+
+
+# -- legacy .dat (llama.cpp `--output-format dat`; the only format ik_llama.cpp's quantize reads) -------------
+
+def write_imatrix_dat(path: str | Path, entries: dict[str, ImatrixEntry], dataset: str, chunk_count: int,
+                      chunk_size: int) -> int:
+    """Write the legacy binary imatrix (spec §9.3): int32 n_entries; per entry int32 name_len, name, int32 ncall,
+    int32 nval, float32[nval] = (in_sum2 / count) · ncall (1 · ncall for a matrix with count 0); then int32
+    chunk_count, int32 len, dataset. Entries whose every count is 0 are left out, as llama.cpp does.
+    Returns the number of entries written."""
+    kept = [n for n in sorted(entries) if int(entries[n].counts.max(initial=0)) > 0]
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<i", len(kept)))
+        for name in kept:
+            e = entries[name]
+            raw = name.encode("utf-8")
+            ncall = -(-int(e.counts.max()) // chunk_size)  # ceiling, so no entry gets 0 calls
+            counts = e.counts.astype(np.float64)[:, None]
+            values = np.where(counts > 0, e.in_sum2 / np.maximum(counts, 1), 1.0) * ncall
+            fh.write(struct.pack("<i", len(raw)) + raw + struct.pack("<ii", ncall, values.size))
+            fh.write(np.ascontiguousarray(values, dtype="<f4").tobytes())
+        ds = dataset.encode("utf-8")
+        fh.write(struct.pack("<ii", int(chunk_count), len(ds)) + ds)
+    return len(kept)
+
+
+@dataclass
+class ImatrixDat:
+    entries: dict[str, tuple[int, np.ndarray]]  # name -> (ncall, float32 values [nval])
+    chunk_count: int
+    dataset: str
+
+
+def read_imatrix_dat(path: str | Path) -> ImatrixDat:
+    """Read a legacy .dat imatrix (as ik_llama.cpp's quantize does). Raises ModelFileError when truncated."""
+    data = Path(path).read_bytes()
+    pos = 0
+
+    def take(n: int, what: str) -> bytes:
+        nonlocal pos
+        if pos + n > len(data):
+            raise ModelFileError(path, f"{what}: file ends at byte {len(data)}, needs {pos + n}")
+        pos += n
+        return data[pos - n:pos]
+
+    (n_entries,) = struct.unpack("<i", take(4, "n_entries"))
+    entries = {}
+    for i in range(n_entries):
+        (n,) = struct.unpack("<i", take(4, f"entry {i} name length"))
+        name = take(n, f"entry {i} name").decode("utf-8")
+        ncall, nval = struct.unpack("<ii", take(8, f"{name}: ncall/nval"))
+        entries[name] = (ncall, np.frombuffer(take(4 * nval, f"{name}: values"), dtype="<f4").copy())
+    (chunk_count,) = struct.unpack("<i", take(4, "chunk count"))
+    (n,) = struct.unpack("<i", take(4, "dataset length"))
+    return ImatrixDat(entries, chunk_count, take(n, "dataset").decode("utf-8"))

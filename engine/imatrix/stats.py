@@ -100,10 +100,12 @@ class ImatrixStats:
 
     def check_finite(self) -> str | None:
         """Name of the first weight whose sums are not finite (llama.cpp aborts on those), else None."""
-        for name in self.names():
-            if not bool(torch.isfinite(self._acc[name].in_sum2).all()):
-                return name
-        return None
+        names = self.names()
+        if not names:
+            return None
+        finite = torch.stack([torch.isfinite(self._acc[n].in_sum2).all() for n in names]).cpu()  # one sync
+        bad = [n for n, ok in zip(names, finite.tolist(), strict=True) if not ok]
+        return bad[0] if bad else None
 
     def entries(self) -> dict[str, ImatrixEntry]:
         """Host copies of every entry, sorted by name (the order llama.cpp writes them in)."""

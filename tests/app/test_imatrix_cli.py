@@ -73,3 +73,16 @@ def test_missing_out_folder_is_refused_before_work(tmp_path, capsys):
     assert main(_args(tmp_path, "--out", str(tmp_path / "no" / "x.gguf"))) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --out: {tmp_path / 'no' / 'x.gguf'}: folder {tmp_path / 'no'} does not exist"]
+
+
+def test_legacy_dat_output(tmp_path, capsys):
+    from engine.imatrix.gguf_format import read_imatrix_dat
+
+    out = tmp_path / "imatrix.dat"
+    assert main(_args(tmp_path, "--chunks", "2", "--out", str(out), "--output-format", "dat", "--json")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    dat = read_imatrix_dat(out)
+    assert doc["output_format"] == "dat" and doc["entries"] == len(dat.entries) == 40
+    assert dat.chunk_count == 2 and dat.dataset == str(fixture_path("text/fixture-text.txt"))
+    assert {ncall for ncall, _ in dat.entries.values()} == {2}
+    assert dat.entries["blk.4.nextn.eh_proj.weight"][1].shape == (512,)

@@ -136,3 +136,51 @@ def test_reader_refuses_file_without_metadata(tmp_path):
     w.close()
     with pytest.raises(ModelFileError, match="imatrix.datasets: required key missing"):
         read_imatrix(path)
+
+
+def _parse_dat(raw: bytes):
+    """ik_llama.cpp quantize's `load_imatrix`, step by step: name -> (ncall, values); last chunk, dataset."""
+    import struct
+
+    pos, out = 4, {}
+    (n,) = struct.unpack_from("<i", raw, 0)
+    for _ in range(n):
+        (ln,) = struct.unpack_from("<i", raw, pos)
+        name = raw[pos + 4:pos + 4 + ln].decode()
+        pos += 4 + ln
+        ncall, nval = struct.unpack_from("<ii", raw, pos)
+        pos += 8
+        out[name] = (ncall, np.frombuffer(raw, "<f4", nval, pos))
+        pos += 4 * nval
+    last, ln = struct.unpack_from("<ii", raw, pos)
+    assert pos + 8 + ln == len(raw)
+    return out, last, raw[pos + 8:].decode()
+
+
+def test_legacy_dat_layout(tmp_path):
+    from engine.imatrix.gguf_format import read_imatrix_dat, write_imatrix_dat
+
+    st, _, ids = _stats()
+    st.add_expert("blk.2.ffn_up_exps.weight", 4, 1, torch.zeros(0, 8))  # an entry that saw no rows at all
+    entries = st.entries()
+    path = tmp_path / "imatrix.dat"
+    assert write_imatrix_dat(path, entries, "calib.txt", chunk_count=3, chunk_size=16) == 3
+    parsed, last, dataset = _parse_dat(path.read_bytes())
+    assert (last, dataset) == (3, "calib.txt")
+    assert list(parsed) == ["blk.0.attn_q.weight", "blk.1.ffn_down_exps.weight", "output.weight"]
+    for name, (ncall, values) in parsed.items():
+        e = entries[name]
+        assert ncall == -(-int(e.counts.max()) // 16)
+        want = np.where(e.counts[:, None] > 0, e.in_sum2 / np.maximum(e.counts[:, None], 1), 1.0) * ncall
+        np.testing.assert_allclose(values.reshape(e.n_mat, e.n_cols), want, rtol=1e-6)
+    # ik's quantize divides by ncall: the mean of squares per column, 1 for an unused expert
+    ncall, values = parsed["blk.1.ffn_down_exps.weight"]
+    e = entries["blk.1.ffn_down_exps.weight"]
+    used = e.counts > 0
+    np.testing.assert_allclose((values.reshape(6, 8) / ncall)[used], e.in_sum2[used] / e.counts[used, None], rtol=1e-6)
+
+    back = read_imatrix_dat(path)
+    assert back.chunk_count == 3 and back.dataset == "calib.txt" and list(back.entries) == list(parsed)
+    path.write_bytes(path.read_bytes()[:-12])
+    with pytest.raises(ModelFileError, match="file ends at byte"):
+        read_imatrix_dat(path)
