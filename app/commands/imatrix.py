@@ -97,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
 
         def on_chunk(ev) -> None:
             progress.advance(ev.running_ppl)
+            if ev.index == 1 and not args.json and not show_bar:  # llama.cpp's first-pass estimate
+                err.write(f"imatrix: {ev.seconds:.2f} seconds per pass - ETA "
+                          f"{ev.seconds * ev.n_chunk / 60:.2f} minutes\n")
             if stream_values:
                 sys.stdout.write(f"[{ev.index}]{ev.running_ppl:.4f},")
                 sys.stdout.flush()

@@ -8,6 +8,7 @@ multiply's input is collected meanwhile. Progress leaves through the `on_chunk` 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from engine.imatrix.collector import ImatrixCollector
 from engine.imatrix.perplexity import PerplexityMeter, chunk_tokens, count_chunks, score_chunk
 from engine.imatrix.stats import ImatrixEntry, ImatrixStats
 from engine.model import Qwen35Model, shift_hidden
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ def compute_imatrix(model: Qwen35Model, tokens: torch.Tensor, n_ctx: int, *, max
         raise InputError("--mtp: this model file has no nextn (MTP) block")
     if chunks_per_batch < 1:
         raise InputError(f"--batch: {chunks_per_batch} chunks per batch, need at least 1")
+    if n_ctx > model.cfg.context_length:
+        log.warning("n_ctx %d exceeds the model's training context %d", n_ctx, model.cfg.context_length)
     tokens = tokens.reshape(-1).to(torch.int64)
     n_chunk = count_chunks(tokens.shape[0], n_ctx, max_chunks)
     real = chunk_tokens(tokens, n_ctx, n_chunk)
