@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         mtp_desc = f"MTP warm-up on (blk.{model.cfg.nextn_blocks[0]})" if mtp else "MTP warm-up off"
         err.write(f"imatrix: {tokens.shape[0]} tokens, {n_chunk} chunks of {args.ctx}, {mtp_desc}\n")
+    chunks_per_batch = min(n_chunk, max(1, args.batch // args.ctx))
     show_bar = not args.json and err.isatty() and n_chunk > 1
     stream_values = not args.json and not (show_bar and sys.stdout.isatty())
     with _Progress(n_chunk, show_bar) as progress:
@@ -98,14 +99,14 @@ def run(args: argparse.Namespace) -> int:
         def on_chunk(ev) -> None:
             progress.advance(ev.running_ppl)
             if ev.index == 1 and not args.json and not show_bar:  # llama.cpp's first-pass estimate
-                err.write(f"imatrix: {ev.seconds:.2f} seconds per pass - ETA "
-                          f"{ev.seconds * ev.n_chunk / 60:.2f} minutes\n")
+                err.write(f"imatrix: {ev.seconds:.2f} seconds per pass of {chunks_per_batch} chunks - ETA "
+                          f"{ev.seconds * ev.n_chunk / chunks_per_batch / 60:.2f} minutes\n")
             if stream_values:
                 sys.stdout.write(f"[{ev.index}]{ev.running_ppl:.4f},")
                 sys.stdout.flush()
 
         result = compute_imatrix(model, tokens, args.ctx, max_chunks=args.chunks, mtp=mtp, bos_id=bos,
-                                 chunks_per_batch=max(1, args.batch // args.ctx), on_chunk=on_chunk)
+                                 chunks_per_batch=chunks_per_batch, on_chunk=on_chunk)
     try:
         if args.output_format == "dat":
             n_written = write_imatrix_dat(args.out, result.entries, str(args.text), chunk_count=result.n_chunk,
