@@ -1,0 +1,367 @@
+"""The real slot backend: one Qwen3.5 model, one `ModelCache` for N slots, batched decode with MTP.
+
+Each iteration (spec/mtp-speculation.md §6.1): prompt chunks for slots in prefill (cut at message
+boundaries so checkpoints land there, §6.5), then one batched main pass for every slot taking a plain
+step, and one batched draft chain + verification pass per draft length k for slots taking a
+speculative round (§2, §3). MTP cache alignment follows §1.3 (entry E(p) = (x_p, h(p-1)) at p; plain
+steps keep it in sync, §5.3). Greedy acceptance at temperature 0; sample-and-compare otherwise (§3.3).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model.cache import ModelCache
+from engine.model.mtp import shift_hidden
+from engine.scheduler.backend import SlotBackend, SlotStep
+from engine.scheduler.prefix import Checkpoint, CheckpointStore, common_prefix, plan_reuse
+from engine.scheduler.sampler import RequestSampler
+from engine.scheduler.types import GenerationRequest
+from engine.spec.events import CALIBRATING, DISABLED, RoundEvent
+from engine.spec.gate import AdaptiveGate, DraftController, FixedPolicy, RoundTiming
+from engine.spec.policy import AutoPolicy
+from engine.spec.rejection import accepted_prefix
+
+
+@dataclass
+class _Run:
+    """The request currently running on a slot."""
+
+    task: int
+    req: GenerationRequest
+    controller: DraftController
+    sampler: RequestSampler
+    pos: int                               # prompt tokens in the cache
+    checkpoint_at: frozenset[int]
+    pending: int | None = None             # s0: sampled, emitted, not yet in the cache
+    n_generated: int = 0
+    last_k: int = 0
+    kind: str = "plain"
+    pred_tps: float = 0.0
+
+    @property
+    def uses_mtp(self) -> bool:
+        return self.controller.uses_mtp
+
+
+@dataclass
+class _Slot:
+    tokens: list[int] = field(default_factory=list)  # what the main cache holds (== cache.lengths[slot])
+    live: bool = True                                 # GDN state corresponds to `tokens`
+    carry: torch.Tensor | None = None                 # MTP hidden carry h(n-1) [E], post-norm
+    store: CheckpointStore | None = None
+    run: _Run | None = None
+    reuse_source: str = "none"
+
+
+class ModelBackend(SlotBackend):
+    def __init__(self, model, eog_ids: frozenset[int], n_slots: int, n_ctx_slot: int, *, prefill_chunk: int = 256,
+                 ctx_checkpoints: int = 8, delta_chunk: int = 64, kv_dtype: torch.dtype | None = None):
+        self.model = model
+        self.cfg = model.cfg
+        self.n_slots = n_slots
+        self.n_ctx_slot = n_ctx_slot
+        self.n_vocab = self.cfg.n_vocab
+        self.eog_ids = frozenset(eog_ids)
+        self.prefill_chunk = prefill_chunk
+        self.delta_chunk = delta_chunk
+        self.has_mtp = self.cfg.has_mtp
+        self.cache = ModelCache(self.cfg, n_slots, n_ctx_slot, device=model.device,
+                                kv_dtype=kv_dtype or model.dtype, mtp=self.has_mtp)
+        self.slots = [_Slot(store=CheckpointStore(ctx_checkpoints)) for _ in range(n_slots)]
+        self.fault_hook = None   # test hook: fault_hook(slot, task) may raise before the slot's rows run
+
+    # ------------------------------------------------------------------ SlotBackend
+
+    def cached_tokens(self, slot: int) -> Sequence[int]:
+        return self.slots[slot].tokens
+
+    def begin(self, slot: int, task: int, req: GenerationRequest, mtp: str, n_draft: int) -> int:
+        st = self.slots[slot]
+        controller = self._controller(mtp, n_draft)
+        need_mtp = self.has_mtp and controller.uses_mtp
+        live = st.live and (not need_mtp or (st.carry is not None and self.cache.mtp_lengths[slot] == len(st.tokens)))
+        usable = [c for c in st.store.items if not need_mtp or c.carry is not None]
+        plan = plan_reuse(st.tokens, live, usable, req.prompt)
+        if plan.source == "checkpoint":
+            self._restore(slot, plan.checkpoint)
+        elif plan.source == "none":
+            self._reset(slot)
+        else:
+            self._cut(slot, plan.n)
+        st.store.drop_beyond(plan.n)
+        st.reuse_source = plan.source
+        if need_mtp and plan.n == 0:
+            st.carry = None
+        st.run = _Run(task=task, req=req, controller=controller, sampler=RequestSampler(req, self.n_vocab, self.model.device),
+                      pos=plan.n, checkpoint_at=frozenset(c for c in req.checkpoint_at if 0 < c < len(req.prompt)))
+        return plan.n
+
+    def step(self, slots: Sequence[int], budgets: Sequence[int]) -> dict[int, SlotStep]:
+        out: dict[int, SlotStep | Exception] = {}
+        ready: list[tuple[int, int]] = []
+        for slot, budget in zip(slots, budgets, strict=True):
+            run = self.slots[slot].run
+            if self.fault_hook is not None:
+                try:
+                    self.fault_hook(slot, run.task)
+                except Exception as exc:
+                    out[slot] = exc
+                    continue
+            if run.pending is None:
+                out[slot] = self._prefill_chunk(slot)
+            else:
+                ready.append((slot, budget))
+        with torch.inference_mode():
+            plain: list[int] = []
+            rounds: dict[int, list[int]] = {}
+            for slot, budget in ready:
+                k = self._choose_k(slot, budget)
+                if k == 0:
+                    plain.append(slot)
+                else:
+                    rounds.setdefault(k, []).append(slot)
+            if plain:
+                out.update(self._plain_steps(plain))
+            for k, group in sorted(rounds.items()):
+                out.update(self._rounds(group, k))
+        return out
+
+    def finish(self, slot: int, n_kept: int) -> None:
+        st = self.slots[slot]
+        run = st.run
+        st.run = None
+        if run is None:
+            return
+        want = list(run.req.prompt) + self._generated(run, st)[:n_kept]
+        held = st.tokens
+        if not (held == want or held == want[:-1]):
+            n = common_prefix(held, want)
+            self._cut(slot, n)
+            st.live = False
+        if st.live:
+            self._checkpoint(slot)
+
+    def abort(self, slot: int) -> None:
+        """Cancelled or failed: a cancel lands between iterations, where the cache is consistent, but a
+        failure may have left a forward half done; either way nothing is kept (E9, E11)."""
+        st = self.slots[slot]
+        st.run = None
+        self._reset(slot)
+        st.store.clear()
+
+    def slot_info(self, slot: int) -> dict:
+        st = self.slots[slot]
+        run = st.run
+        info = {"n_past": len(st.tokens), "n_checkpoints": len(st.store.items),
+                "checkpoint_bytes": st.store.nbytes, "reuse": st.reuse_source}
+        if run is None:
+            return {**info, "speculative": False}
+        c = run.controller
+        gate = c.state
+        info.update({
+            "speculative": self.has_mtp and c.uses_mtp and gate != DISABLED,
+            "policy": {"on": "fixed", "off": "fixed"}.get(c.name, c.name), "k": run.last_k,
+            "gate_state": gate, "gate_reason": getattr(c, "disable_detail", None) and c.disable_detail["reason"],
+            "accept_ema": getattr(c, "accept", None), "mtp_tps_ema": getattr(c, "mtp_tps", None),
+            "no_mtp_tps_ema": c.baseline_tps,
+        })
+        return info
+
+    # ------------------------------------------------------------------ state helpers
+
+    def _generated(self, run: _Run, st: _Slot) -> list[int]:
+        """Generated tokens of the run: those in the cache past the prompt, then the pending one."""
+        gen = st.tokens[len(run.req.prompt):]
+        return gen + ([run.pending] if run.pending is not None else [])
+
+    def _controller(self, mtp: str, n_draft: int) -> DraftController:
+        if not self.has_mtp or mtp == "off" or n_draft == 0:
+            return FixedPolicy(0)
+        if mtp == "on":
+            return FixedPolicy(n_draft)
+        if mtp == "adaptive":
+            return AdaptiveGate(n_draft)
+        return AutoPolicy(k_max=max(n_draft, 1))
+
+    def _reset(self, slot: int) -> None:
+        st = self.slots[slot]
+        self.cache.reset(slot)
+        st.tokens, st.live, st.carry = [], True, None
+
+    def _cut(self, slot: int, n: int) -> None:
+        """Keep the first n tokens of KV (main and MTP); the GDN state is not touched."""
+        st = self.slots[slot]
+        self.cache.truncate(slot, n)
+        if self.has_mtp:
+            self.cache.truncate_mtp(slot, min(n, self.cache.mtp_lengths[slot]))
+        del st.tokens[n:]
+
+    def _restore(self, slot: int, ck: Checkpoint) -> None:
+        st = self.slots[slot]
+        self._cut(slot, ck.n)
+        self.cache.restore_gdn(slot, ck.gdn)
+        st.carry = None if ck.carry is None else ck.carry.clone()
+        st.live = True
+
+    def _checkpoint(self, slot: int) -> None:
+        st = self.slots[slot]
+        n = len(st.tokens)
+        if n == 0 or not st.live:
+            return
+        # the carry is stored only where the MTP cache holds exactly E(0..n-1): only such checkpoints can
+        # resume a request with MTP on
+        aligned = self.has_mtp and st.carry is not None and self.cache.mtp_lengths[slot] == n
+        carry = st.carry.clone() if aligned else None
+        st.store.add(Checkpoint(n, self.cache.snapshot_gdn(slot), carry))
+
+    # ------------------------------------------------------------------ prefill
+
+    def _prefill_chunk(self, slot: int) -> SlotStep:
+        st = self.slots[slot]
+        run = st.run
+        prompt = run.req.prompt
+        end = min(len(prompt), run.pos + self.prefill_chunk)
+        nxt = [c for c in run.checkpoint_at if run.pos < c < end]
+        if nxt:
+            end = min(nxt)
+        last = end == len(prompt)
+        x = torch.tensor([prompt[run.pos:end]], dtype=torch.long, device=self.model.device)
+        with torch.inference_mode():
+            out = self.model.forward(x, self.cache, [slot], logits="last" if last else "none", chunk=self.delta_chunk)
+            if self.has_mtp and run.uses_mtp:
+                prev = None if st.carry is None else st.carry[None]
+                self.model.mtp_forward(x, shift_hidden(out.hidden, prev), self.cache, [slot], logits="none")
+                st.carry = out.hidden[0, -1].clone()
+        st.tokens.extend(prompt[run.pos:end])
+        res = SlotStep(prompt_processed=end - run.pos)
+        run.pos = end
+        if end in run.checkpoint_at or last:
+            self._checkpoint(slot)
+        if last:
+            tok = run.sampler.sample_rows(out.logits[0, -1:])[0]
+            self._emit(run, res, [tok])
+        return res
+
+    # ------------------------------------------------------------------ decode
+
+    def _choose_k(self, slot: int, budget: int) -> int:
+        st = self.slots[slot]
+        run = st.run
+        n_past = len(st.tokens)
+        k_cap = max(0, min(budget - 1, self.n_ctx_slot - n_past - 2))
+        if not self.has_mtp:
+            k_cap = 0
+        dec = run.controller.decide(k_cap)
+        run.last_k = dec.k
+        run.kind = dec.kind
+        run.pred_tps = dec.pred_tps
+        return dec.k
+
+    def _emit(self, run: _Run, res: SlotStep, toks: list[int]) -> None:
+        """Commit sampled tokens to the output, stopping at an end-of-generation token."""
+        for t in toks:
+            res.tokens.append(t)
+            run.n_generated += 1
+            if t in self.eog_ids and not run.req.ignore_eos:
+                res.eos = True
+                break
+        run.pending = toks[-1]
+
+    def _plain_steps(self, slots: list[int]) -> dict[int, SlotStep]:
+        t0 = time.perf_counter()
+        dev = self.model.device
+        x = torch.tensor([[self.slots[s].run.pending] for s in slots], dtype=torch.long, device=dev)
+        out = self.model.forward(x, self.cache, slots, logits="all", chunk=self.delta_chunk)
+        sync = [i for i, s in enumerate(slots) if self.has_mtp and self.slots[s].run.uses_mtp]
+        if sync:  # spec §5.3: plain steps keep the MTP cache and carry in sync
+            carry = torch.stack([self.slots[slots[i]].carry for i in sync])[:, None]
+            self.model.mtp_forward(x[sync], carry, self.cache, [slots[i] for i in sync], logits="none")
+        results = {}
+        for i, s in enumerate(slots):
+            st = self.slots[s]
+            run = st.run
+            st.tokens.append(run.pending)
+            if i in sync:
+                st.carry = out.hidden[i, 0].clone()
+            tok = run.sampler.sample_rows(out.logits[i, :1])[0]
+            res = SlotStep()
+            self._emit(run, res, [tok])
+            results[s] = res
+        dt = time.perf_counter() - t0
+        for s in slots:
+            run = self.slots[s].run
+            if self.has_mtp and run.uses_mtp:
+                run.controller.observe_plain(dt)
+                results[s].events.append(self._event(s, run, "plain", 0, 0, 1, RoundTiming(0.0, dt, 0.0)))
+        return results
+
+    def _rounds(self, slots: list[int], k: int) -> dict[int, SlotStep]:
+        """One speculative round with k drafts for each slot in `slots`, batched (spec §2, §3)."""
+        dev = self.model.device
+        B = len(slots)
+        t0 = time.perf_counter()
+        s0 = torch.tensor([[self.slots[s].run.pending] for s in slots], dtype=torch.long, device=dev)
+        P = [len(self.slots[s].tokens) for s in slots]
+        hid = torch.stack([self.slots[s].carry for s in slots])[:, None]
+        tok = s0
+        drafts = []
+        for _ in range(k):
+            m = self.model.mtp_forward(tok, hid, self.cache, slots, logits="last")
+            tok = m.logits[:, -1].argmax(dim=-1, keepdim=True)
+            hid = m.hidden
+            drafts.append(tok)
+        for s, p in zip(slots, P, strict=True):
+            self.cache.truncate_mtp(s, p + 1)  # keep E(P) of step 1, drop the chain's scratch entries
+        d = torch.cat(drafts, dim=1)                                   # [B, k]
+        t1 = time.perf_counter()
+        rows = torch.cat([s0, d], dim=1)                               # [B, k+1]
+        out = self.model.forward(rows, self.cache, slots, logits="all", chunk=self.delta_chunk, gdn_steps=True)
+        d_host = d.tolist()
+        emitted: list[list[int]] = []
+        n_acc: list[int] = []
+        for i, s in enumerate(slots):
+            ids = self.slots[s].run.sampler.verify(out.logits[i], d_host[i], accepted_prefix)
+            n_acc.append(len(ids) - 1)
+            emitted.append(ids)
+        t2 = time.perf_counter()
+        self.cache.rollback(out.gdn_steps, [a + 1 for a in n_acc])
+        results = {}
+        for i, s in enumerate(slots):
+            st = self.slots[s]
+            run = st.run
+            a = n_acc[i]
+            st.tokens.extend(rows[i, : a + 1].tolist())
+            if a > 0:
+                self.model.mtp_forward(d[i:i + 1, :a], out.hidden[i:i + 1, :a], self.cache, [s], logits="none")
+            st.carry = out.hidden[i, a].clone()
+            res = SlotStep()
+            self._emit(run, res, emitted[i])
+            results[s] = res
+        t3 = time.perf_counter()
+        for i, s in enumerate(slots):
+            run = self.slots[s].run
+            share = 1.0 / B
+            timing = RoundTiming((t1 - t0) * share, (t2 - t1) * share, (t3 - t2) * share)
+            run.controller.observe_round(k, n_acc[i], timing)
+            results[s].events.append(self._event(s, run, run.kind, k, n_acc[i],
+                                                 len(results[s].tokens), timing))
+        return results
+
+    def _event(self, slot: int, run: _Run, kind: str, k: int, a: int, emitted: int, timing: RoundTiming
+               ) -> RoundEvent:
+        c = run.controller
+        change = c.pop_change()
+        return RoundEvent(t=time.monotonic(), slot=slot, task=run.task, kind=kind, k=k, accepted=a,
+                          accepted_flags=tuple(j < a for j in range(k)), emitted=emitted, round_s=timing.round_s,
+                          draft_s=timing.draft_s, verify_s=timing.verify_s, rollback_s=timing.post_s,
+                          rollback="per_step" if k and a < k else "none", baseline_tps=c.baseline_tps,
+                          pred_tps=run.pred_tps, gate_state=c.state, gate_change=change,
+                          n_past=len(self.slots[slot].tokens), n_generated=run.n_generated)
+
+
+__all__ = ["ModelBackend", "CALIBRATING"]
