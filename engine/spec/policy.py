@@ -151,7 +151,7 @@ class AutoPolicy(DraftController):
         if self.off:
             if self.plain_since_off >= self.probe_every:
                 self._probing = True
-                k = min(PROBE_K, k_cap)
+                k = min(PROBE_K, k_cap, self.k_max)
                 return Decision(k, "probe", self.rate(k))
             return Decision(0, "plain", self.baseline_tps)
         best = self.best_k(self.k_max)

@@ -1,0 +1,271 @@
+"""The speculative loop on the fixture models (reliability-matrix F1, F2, F3, F5; spec §1.5).
+
+F1: greedy tokens with --mtp on/adaptive/auto equal --mtp off, for k = 1..4, 1 and 4 sequences,
+whole-prompt and 7-token prefill. F2: after rounds forced to reject at every draft position, the
+main KV length, conv and recurrent state equal plain one-token decoding of the accepted tokens (the
+verification runs the chunked delta rule: compared at 1e-5 relative, CLARIFICATIONS Issue 5), and
+the MTP cache equals a fresh re-warm (§1.5). F3: EOS, stop strings and max_tokens at every position
+inside accepted runs. F5: seeded sampling reproducible per mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import ModelCache, shift_hidden
+from engine.sampling import SamplingParams
+from engine.spec.decode import SpecDecoder, SpecOptions
+from engine.spec.stops import StopRule
+from tests.engine.model.conftest import get_model, get_ref
+
+MODELS = {
+    "dense": ("models/tiny-qwen35-f32.gguf", "ref/tiny-qwen35.npz"),
+    "moe": ("models/tiny-qwen35moe-q8_0.gguf", "ref/tiny-qwen35moe.npz"),
+}
+MODES = ("on", "adaptive", "auto")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _prompts(ref, n_tokens: int = 40) -> list[list[int]]:
+    """Fixture prompts (lengths 7, 33, 64, 200) and four slices of the fixture text."""
+    s = ref["ppl_tokens"]
+    out = [ref[f"prompt_{n}"].tolist() for n in (7, 33, 64, 200)]
+    out += [s[o:o + n].tolist() for o, n in ((500, 3), (4000, 21), (9000, 50), (11000, 12))]
+    return out
+
+
+def _run(model, prompts, mode, k, chunk=None, n=40, **kw):
+    dec = SpecDecoder(model, SpecOptions(mode=mode, n_draft=k, prefill_chunk=chunk, **kw))
+    return [r.tokens for r in dec.generate(prompts, StopRule(max_tokens=n))], dec
+
+
+def _f1(name, prompts, n, chunks, full):
+    model = get_model(MODELS[name][0])
+    plain = [_run(model, [p], "off", 1, n=n)[0][0] for p in prompts]
+    runs = identical = 0
+    for mode in MODES:
+        for k in (1, 2, 3, 4):
+            for c, chunk in enumerate(chunks):
+                # full matrix: every chunking for 4 and 1 sequences; default: alternate them
+                if not full and (c + k) % 2:
+                    continue
+                group = [(k + j + 3 * c) % len(prompts) for j in range(4)]
+                got, _ = _run(model, [prompts[g] for g in group], mode, k, chunk, n=n)
+                for g, toks in zip(group, got, strict=True):
+                    runs += 1
+                    identical += toks == plain[g]
+                    assert toks == plain[g], (name, mode, k, chunk, g)
+                single = [(3 * k + c) % len(prompts)] if not full else range(len(prompts))
+                for g in single:
+                    got, _ = _run(model, [prompts[g]], mode, k, chunks[(c + 1) % len(chunks)], n=n)
+                    runs += 1
+                    identical += got[0] == plain[g]
+                    assert got[0] == plain[g], (name, mode, k, chunk, g, "single")
+    print(f"METRIC F1 model={name} runs={runs} identical={identical} near_tie=0 diverged={runs - identical}")
+    return plain
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_f1_greedy_tokens_identical_in_every_mode(name):
+    ref = get_ref(MODELS[name][1])
+    plain = _f1(name, _prompts(ref), 40, (None, 7), full=False)
+    assert plain[0][:24] == ref["greedy_7"].tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_f1_full_matrix(name):
+    """20 prompts x k 1..4 x {4 sequences, 1 sequence} x chunking {none, 7, 64} x modes, 128 tokens."""
+    ref = get_ref(MODELS[name][1])
+    s = ref["ppl_tokens"]
+    prompts = _prompts(ref) + [s[o:o + n].tolist() for o, n in
+                               zip(range(600, 12000, 950), (5, 9, 17, 33, 2, 65, 40, 11, 23, 70, 3, 45), strict=False)]
+    _f1(name, prompts[:20], 128, (None, 7, 64), full=True)
+
+
+def _plain_states(model, prompt, tokens, at: set[int]):
+    """Plain decoding: prefill the prompt, then one-token steps over `tokens`; the main cache state
+    (KV length, attention K/V, conv, ssm) when it holds n tokens, for n in `at`."""
+    cfg = model.cfg
+    cache = ModelCache(cfg, 1, len(prompt) + len(tokens) + 2, mtp=False)
+    out = {}
+    model.forward(torch.tensor([prompt]), cache, [0], logits="none")
+
+    def grab():
+        n = cache.lengths[0]
+        out[n] = {"conv": {b: t[0].clone() for b, t in cache.conv.items()},
+                  "ssm": {b: t[0].clone() for b, t in cache.ssm.items()},
+                  "k": {b: t[0, :n].clone() for b, t in cache.k.items()}}
+    if len(prompt) in at:
+        grab()
+    for t in tokens:
+        model.forward(torch.tensor([[t]]), cache, [0], logits="none")
+        if cache.lengths[0] in at:
+            grab()
+    return out
+
+
+def _rewarm(model, committed: list[int], hidden_mode: str):
+    """§1.5 step 2: a fresh MTP cache for the committed tokens and the carry h(n-1)."""
+    cfg = model.cfg
+    n = len(committed)
+    cache = ModelCache(cfg, 1, n + 2, mtp=True)
+    x = torch.tensor([committed])
+    out = model.forward(x, cache, [0], logits="none")
+    h = out.hidden if hidden_mode == "post-norm" else out.hidden_prenorm
+    model.mtp_forward(x, shift_hidden(h), cache, [0], logits="none")
+    blk = cfg.nextn_blocks[0]
+    return cache.mtp_k[blk][0, :n], cache.mtp_v[blk][0, :n], h[0, -1]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("name,rollback", [
+    ("dense", "per_step"), ("dense", "redecode"), ("moe", "per_step"),
+    pytest.param("moe", "redecode", marks=pytest.mark.slow)])
+def test_f2_forced_rejection_restores_plain_state(name, rollback):
+    model, ref = get_model(MODELS[name][0]), get_ref(MODELS[name][1])
+    s = ref["ppl_tokens"]
+    cases = state_equal = 0
+    max_rel = 0.0
+    for prompt in (s[100:101].tolist(), s[2000:2017].tolist(), s[5000:5300].tolist()):
+        greedy, _ = _run(model, [prompt], "off", 1, n=32)
+        greedy = greedy[0]
+        for k in (1, 2, 3, 4):
+            for hidden in (("post-norm", "pre-norm") if k == 2 else ("post-norm",)):
+                pattern = iter(list(range(k + 1)) * 4)
+                forced = {}
+
+                def hook(slot, p, drafts, k=k, pattern=pattern, forced=forced, prompt=prompt, greedy=greedy):
+                    # accept exactly j drafts: the true continuation up to j, then a wrong token
+                    j = next(pattern)
+                    g0 = p - len(prompt) + 1       # greedy index of d1
+                    want = torch.tensor(greedy[g0:g0 + k], dtype=torch.long)
+                    if j < k:
+                        want[j] = (want[j] + 1) % model.cfg.n_vocab
+                    forced[p] = j
+                    return want
+
+                n_gen = sum(j + 1 for j in list(range(k + 1)) * 2) + 1
+                dec = SpecDecoder(model, SpecOptions(mode="on", n_draft=k, rollback=rollback, hidden=hidden,
+                                                     draft_hook=hook))
+                plain = _plain_states(model, prompt, greedy[:n_gen], set(range(len(prompt), len(prompt) + n_gen + 1)))
+                for ev in dec.stream([prompt], StopRule(max_tokens=n_gen)):
+                    if ev.k == 0:
+                        continue
+                    cases += 1
+                    seq = dec.seqs[0]
+                    cache = dec.cache
+                    n = seq.n_past
+                    assert ev.accepted == min(forced[n - ev.accepted - 1], ev.k)
+                    committed = prompt + seq.checker.tokens[:n - len(prompt)]
+                    assert committed == prompt + greedy[:n - len(prompt)]
+                    # integer bookkeeping: exact
+                    assert cache.lengths[0] == n and cache.mtp_lengths[0] == n
+                    want = plain[n]
+                    worst = 0.0
+                    for b in want["conv"]:
+                        worst = max(worst, _rel(cache.conv[b][0], want["conv"][b]),
+                                    _rel(cache.ssm[b][0], want["ssm"][b]))
+                    for b in want["k"]:
+                        worst = max(worst, _rel(cache.k[b][0, :n], want["k"][b]))
+                    # the MTP cache equals a fresh re-warm of the committed tokens (§1.5)
+                    mk, mv, carry = _rewarm(model, committed, hidden)
+                    blk = model.cfg.nextn_blocks[0]
+                    mtp_rel = max(_rel(cache.mtp_k[blk][0, :n], mk), _rel(cache.mtp_v[blk][0, :n], mv),
+                                  _rel(seq.carry, carry))
+                    assert mtp_rel <= 1e-4, (name, k, n, mtp_rel)
+                    max_rel = max(max_rel, worst)
+                    state_equal += worst <= 1e-5
+                    assert worst <= 1e-5, (name, rollback, k, n, worst)
+    print(f"METRIC F2 model={name} rollback={rollback} cases={cases} state_equal={state_equal} "
+          f"max_rel_diff={max_rel:.2g} (chunked verification, 1e-5 relative)")
+    assert cases >= 3 * 4 * 2
+
+
+def _token_bytes(t: int) -> bytes:
+    return f"<{t}>".encode()
+
+
+@pytest.mark.parametrize("name", ["dense"])
+def test_f3_stops_inside_accepted_drafts(name):
+    """Drafts are the true continuation (all accepted): a round emits k+1 tokens, so token t sits at
+    position (t-1) mod (k+1) of its round. Put EOS / a stop string / max_tokens at each position."""
+    model, ref = get_model(MODELS[name][0]), get_ref(MODELS[name][1])
+    prompt = ref["prompt_33"].tolist()
+    greedy = _run(model, [prompt], "off", 1, n=40)[0][0]
+
+    def oracle(slot, p, drafts):
+        g0 = p - len(prompt) + 1
+        return torch.tensor(greedy[g0:g0 + len(drafts)], dtype=torch.long)
+
+    cases = equal = 0
+    for k in (1, 2, 3, 4):
+        for pos in range(k + 1):
+            t = 1 + (k + 1) * 2 + pos              # third round, position pos
+            fresh = [i for i in range(t, 36) if greedy[i] not in greedy[:i]
+                     and (i - 1) % (k + 1) == pos]
+            rules = [("length", StopRule(max_tokens=t + 1))]
+            if fresh:
+                rules.append(("eos", StopRule(max_tokens=40, eos_ids=frozenset({greedy[fresh[0]]}))))
+            pair = f"{greedy[t - 1]}><{greedy[t]}"
+            if pair not in "".join(f"<{x}>" for x in greedy[:t]):
+                rules.append(("stop", StopRule(max_tokens=40, stop=(pair,))))
+            for what, rule in rules:
+                plain = SpecDecoder(model, SpecOptions(mode="off"))
+                want = plain.generate([prompt], rule, token_bytes=_token_bytes)[0]
+                spec = SpecDecoder(model, SpecOptions(mode="on", n_draft=k, draft_hook=oracle))
+                got = spec.generate([prompt], rule, token_bytes=_token_bytes)[0]
+                cases += 1
+                assert got.tokens == want.tokens and got.finish_reason == want.finish_reason, (k, pos, what)
+                assert got.text_bytes == want.text_bytes
+                # usage: accepted counts only emitted drafts
+                assert got.stats.accepted + got.stats.rounds + 1 >= len(got.tokens) - got.stats.plain_steps
+                # nothing after the stop left in the cache: same length and state as plain decoding
+                assert spec.cache.lengths[0] == plain.cache.lengths[0] == len(prompt) + len(want.tokens) - 1
+                for b in plain.cache.ssm:
+                    assert _rel(spec.cache.ssm[b][0], plain.cache.ssm[b][0]) <= 1e-5
+                assert spec.cache.mtp_lengths[0] == spec.cache.lengths[0]
+                equal += 1
+    print(f"METRIC F3 cases={cases} equal={equal} usage_equal={equal}")
+    assert cases >= 25
+
+
+def test_f5_seeded_sampling_is_reproducible_per_mode():
+    model, ref = get_model(MODELS["dense"][0]), get_ref(MODELS["dense"][1])
+    prompts = [ref["prompt_7"].tolist(), ref["prompt_33"].tolist()]
+    sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234)
+    for mode in ("off", "on", "auto"):
+        runs = [[r.tokens for r in SpecDecoder(model, SpecOptions(mode=mode, n_draft=3)).generate(
+            prompts, StopRule(max_tokens=24), sp)] for _ in range(2)]
+        assert runs[0] == runs[1], mode
+        if mode == "off":
+            plain = runs[0]
+        # each position is drawn at its own uniform: speculation does not change the sampled text
+        assert runs[0] == plain, mode
+        other = [r.tokens for r in SpecDecoder(model, SpecOptions(mode=mode, n_draft=3)).generate(
+            prompts, StopRule(max_tokens=24), SamplingParams(0.8, 40, 0.95, seed=99))]
+        assert other != runs[0], mode
+
+
+def test_mtp_hidden_switch_changes_drafts_not_tokens():
+    model, ref = get_model(MODELS["dense"][0]), get_ref(MODELS["dense"][1])
+    prompts = [ref["prompt_64"].tolist()]
+    post, d_post = _run(model, prompts, "on", 2, n=48, hidden="post-norm")
+    pre, d_pre = _run(model, prompts, "on", 2, n=48, hidden="pre-norm")
+    assert post == pre
+    a, b = d_post.seqs[0].stats, d_pre.seqs[0].stats
+    print(f"acceptance post-norm {a.accepted_per_position} pre-norm {b.accepted_per_position}")
+    assert a.drafted > 0 and b.drafted > 0
