@@ -4,6 +4,7 @@ Public API (issue 3). Nothing here prints; user errors are InputError / Template
 """
 
 from engine.text.detokenizer import StopMatcher, StreamingDetokenizer, TextDelta, TextStream
+from engine.text.output import OutputParser, ParsedOutput, parse_output
 from engine.text.template import (
     TEMPLATE_KWARGS,
     ChatTemplate,
@@ -14,6 +15,7 @@ from engine.text.template import (
 from engine.text.tokenizer import SpecialIds, Tokenizer, clean_text
 
 __all__ = [
-    "TEMPLATE_KWARGS", "ChatTemplate", "RenderedPrompt", "SpecialIds", "StopMatcher", "StreamingDetokenizer",
-    "TextDelta", "TextStream", "Tokenizer", "check_template_kwargs", "clean_text", "normalize_messages",
+    "TEMPLATE_KWARGS", "ChatTemplate", "OutputParser", "ParsedOutput", "RenderedPrompt", "SpecialIds",
+    "StopMatcher", "StreamingDetokenizer", "TextDelta", "TextStream", "Tokenizer", "check_template_kwargs",
+    "clean_text", "normalize_messages", "parse_output",
 ]
