@@ -20,11 +20,12 @@ class KVView:
     k, v: the block's buffers [n_slots, n_ctx, Hkv, D]; slot_idx [B] long; positions [B, T] long
     (absolute position of every new token). Keys at cache rows <= a query's position are visible."""
 
-    __slots__ = ("k", "v", "slot_idx", "positions", "n_keys")
+    __slots__ = ("k", "v", "slot_idx", "positions", "n_keys", "single")
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slot_idx: torch.Tensor, positions: torch.Tensor,
-                 n_keys: int):
+                 n_keys: int, single: tuple[int, int] | None = None):
         self.k, self.v, self.slot_idx, self.positions, self.n_keys = k, v, slot_idx, positions, n_keys
+        self.single = single    # (slot, first position) when B == 1: plain slices instead of gathers
 
 
 class GatedAttention(nn.Module):
@@ -58,14 +59,24 @@ class GatedAttention(nn.Module):
                 q.transpose(1, 2).to(cdt), k.transpose(1, 2).to(cdt), v.transpose(1, 2).to(cdt),
                 is_causal=True, scale=self.scale, enable_gqa=Hkv != H)
         else:
-            rows = kv.slot_idx[:, None]
-            kv.k[rows, kv.positions] = k.to(kv.k.dtype)       # cache stores k after norm + RoPE
-            kv.v[rows, kv.positions] = v.to(kv.v.dtype)
-            keys = kv.k[kv.slot_idx, :kv.n_keys].to(cdt)       # [B, L, Hkv, D]
-            vals = kv.v[kv.slot_idx, :kv.n_keys].to(cdt)
-            visible = torch.arange(kv.n_keys, device=a.device)[None, None, :] <= kv.positions[:, :, None]
+            if kv.single is not None:                          # one row: views, no gather
+                s, p0 = kv.single
+                kv.k[s, p0:p0 + T] = k[0]                      # cache stores k after norm + RoPE
+                kv.v[s, p0:p0 + T] = v[0]
+                keys, vals = kv.k[s:s + 1, :kv.n_keys], kv.v[s:s + 1, :kv.n_keys]
+            else:
+                rows = kv.slot_idx[:, None]
+                kv.k[rows, kv.positions] = k.to(kv.k.dtype)
+                kv.v[rows, kv.positions] = v.to(kv.v.dtype)
+                keys = kv.k[kv.slot_idx, :kv.n_keys]           # [B, L, Hkv, D]
+                vals = kv.v[kv.slot_idx, :kv.n_keys]
+            if kv.single is not None and T == 1:
+                mask = None                                    # one query sees every cached key
+            else:
+                mask = (torch.arange(kv.n_keys, device=a.device)[None, None, :]
+                        <= kv.positions[:, :, None])[:, None]
             o = F.scaled_dot_product_attention(
-                q.transpose(1, 2).to(cdt), keys.transpose(1, 2), vals.transpose(1, 2),
-                attn_mask=visible[:, None], scale=self.scale, enable_gqa=Hkv != H)
+                q.transpose(1, 2).to(cdt), keys.transpose(1, 2).to(cdt), vals.transpose(1, 2).to(cdt),
+                attn_mask=mask, scale=self.scale, enable_gqa=Hkv != H)
         o = o.transpose(1, 2).reshape(B, T, H * D).float()
         return self.attn_output(o * torch.sigmoid(gate))

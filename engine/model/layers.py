@@ -11,10 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import PackedWeight
+
 
 def matmul_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight.T -> [..., out] in float32. The single place a weight multiplies an
-    activation: activations are cast to the weight's dtype (bf16 on CUDA), results come back float32."""
+    activation: activations are cast to the weight's dtype (bf16 on CUDA), results come back float32.
+    A `PackedWeight` (load_model(packed=True)) runs its fused dequantize-and-multiply kernel."""
+    if isinstance(weight, PackedWeight):
+        return weight.matmul(x)
     y = F.linear(x.to(weight.dtype), weight)
     return y if y.dtype == torch.float32 else y.float()
 

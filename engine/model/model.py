@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.config import ATTN, GDN, ModelConfig
 from engine.errors import InputError, ModelFileError
+from engine.kernels import PACKED_TYPES, PackedWeight
 from engine.model.attention import GatedAttention, KVView
 from engine.model.cache import GDNSteps, ModelCache
 from engine.model.deltanet import GatedDeltaNet
@@ -128,7 +129,7 @@ class Qwen35Model(nn.Module):
         return None if logits == "none" else (h if logits == "all" else h[:, -1:])
 
     def _slots(self, cache: ModelCache, slots: list[int] | None, B: int, T: int,
-               lengths: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
+               lengths: list[int]) -> tuple[list[int], torch.Tensor, torch.Tensor, int, tuple[int, int] | None]:
         slots = list(range(B)) if slots is None else list(slots)
         if len(slots) != B or len(set(slots)) != B:
             raise ValueError(f"need {B} distinct slots, got {slots}")
@@ -138,7 +139,8 @@ class Qwen35Model(nn.Module):
         dev = self.device
         slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
         positions = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
-        return slots, slot_idx, positions, max(starts) + T
+        single = (slots[0], starts[0]) if B == 1 else None
+        return slots, slot_idx, positions, max(starts) + T, single
 
     # -- main model ------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: ModelCache | None = None, slots: list[int] | None = None,
@@ -155,9 +157,10 @@ class Qwen35Model(nn.Module):
         B, T = tokens.shape
         h = self.embed(tokens)
         if cache is not None:
-            slots, slot_idx, positions, n_keys = self._slots(cache, slots, B, T, cache.lengths)
+            slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.lengths)
+            sl = slice(single[0], single[0] + 1) if single is not None else slot_idx
         else:
-            slots, slot_idx, n_keys = list(range(B)), None, T
+            slots, slot_idx, n_keys, single = list(range(B)), None, T, None
             positions = torch.arange(T, device=self.device).expand(B, T)
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         steps_conv, steps_ssm = {}, {}
@@ -165,19 +168,19 @@ class Qwen35Model(nn.Module):
             blk = self.blk[i]
             a = blk.attn_norm(h)
             if blk.kind == ATTN:
-                kv = None if cache is None else KVView(cache.k[i], cache.v[i], slot_idx, positions, n_keys)
+                kv = None if cache is None else KVView(cache.k[i], cache.v[i], slot_idx, positions, n_keys, single)
                 h = h + blk.mixer(a, cos, sin, kv)
             else:
-                conv0 = None if cache is None else cache.conv[i][slot_idx]
-                ssm0 = None if cache is None else cache.ssm[i][slot_idx]
+                conv0 = None if cache is None else cache.conv[i][sl]
+                ssm0 = None if cache is None else cache.ssm[i][sl]
                 out, conv, ssm = blk.mixer(a, conv0, ssm0, chunk=chunk, all_states=gdn_steps)
                 h = h + out
                 if gdn_steps:
                     steps_conv[i], steps_ssm[i] = conv, ssm
                     conv, ssm = conv[:, -1], ssm[:, -1]
                 if cache is not None:
-                    cache.conv[i][slot_idx] = conv
-                    cache.ssm[i][slot_idx] = ssm
+                    cache.conv[i][sl] = conv
+                    cache.ssm[i][sl] = ssm
             h = blk.feed_forward(h)
         if cache is not None:
             for s in slots:
@@ -228,8 +231,8 @@ class Qwen35Model(nn.Module):
         if cache is not None:
             if not cache.has_mtp:
                 raise ValueError("this cache was built without MTP KV")
-            slots, slot_idx, positions, n_keys = self._slots(cache, slots, B, T, cache.mtp_lengths)
-            kv = KVView(cache.mtp_k[n], cache.mtp_v[n], slot_idx, positions, n_keys)
+            slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.mtp_lengths)
+            kv = KVView(cache.mtp_k[n], cache.mtp_v[n], slot_idx, positions, n_keys, single)
         else:
             positions, kv = torch.arange(T, device=self.device).expand(B, T), None
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
@@ -252,9 +255,12 @@ class Qwen35Model(nn.Module):
 _REFUSED = ("ssm_in.weight", "ssm_ba.weight")
 
 
-def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Qwen35Model:
+def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
+               packed: bool = False) -> Qwen35Model:
     """Build the model from a `GGUFFile` (or a path): every module parameter is the dense dequantized
-    GGUF tensor of the same name (2-D/3-D weights in `dtype`, norms, ssm_a/dt/conv in float32)."""
+    GGUF tensor of the same name (2-D/3-D weights in `dtype`, norms, ssm_a/dt/conv in float32).
+    packed=True (CPU, float32): Q8_0/Q4_K/BF16/F16 matrices stay compact as `PackedWeight`s that
+    `matmul_weight` multiplies with the fused kernels of engine/kernels (the reference is packed=False)."""
     from engine.gguf import open_gguf
     from engine.weights import load_weights
 
@@ -281,6 +287,11 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
             numel *= d
         if numel != p.numel() or (len(w.shape) > 1 and tuple(w.shape[-1:]) != tuple(p.shape[-1:])):
             raise ModelFileError(f.path, f"{name}: shape {tuple(w.shape)} does not match the expected {tuple(p.shape)}")
+        if packed and p.dim() >= 2 and device.type == "cpu" and w.ggml_type in PACKED_TYPES \
+                and tuple(w.shape) == tuple(p.shape):
+            _set_packed(model, pname, PackedWeight.from_gguf(name, w.ggml_type, tuple(w.shape), w.raw))
+            used.add(name)
+            continue
         t = w.dense(p.dtype, device).reshape(p.shape)
         _set_param(model, pname, t)
         used.add(name)
@@ -289,6 +300,13 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
     log.info("loaded %s: %s (%s, %s)", f.path, cfg.layer_pattern(), dtype, device)
     model.eval()
     return model
+
+
+def _set_packed(model: nn.Module, pname: str, value: PackedWeight) -> None:
+    mod_path, _, attr = pname.rpartition(".")
+    mod = model.get_submodule(mod_path) if mod_path else model
+    del mod._parameters[attr]
+    setattr(mod, attr, value)
 
 
 def _set_param(model: nn.Module, pname: str, value: torch.Tensor) -> None:
