@@ -20,13 +20,10 @@ from engine.model import ModelCache, Qwen35Model, shift_hidden
 from engine.sampling import Sampler, SamplingParams
 from engine.spec.events import RoundEvent, SpecStats
 from engine.spec.gate import AdaptiveGate, Decision, DraftController, FixedPolicy, RoundTiming
+from engine.spec.modes import HIDDEN_MODES, MTP_MODES, ROLLBACK_MODES
 from engine.spec.policy import AutoPolicy
 from engine.spec.rejection import accepted_prefix, draw_uniforms, inverse_cdf, sample_and_compare
 from engine.spec.stops import StopChecker, StopRule
-
-MTP_MODES = ("off", "on", "adaptive", "auto")
-HIDDEN_MODES = ("post-norm", "pre-norm")
-ROLLBACK_MODES = ("per_step", "redecode")
 
 # A draft hook sees (slot, P, drafts [k] long on the device, targets unknown) and returns the drafts to
 # verify: tests force rejections with it, `bench --wrong-drafts` measures pure overhead.

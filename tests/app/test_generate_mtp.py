@@ -1,0 +1,54 @@
+"""`mtpchat generate --mtp ... --draft K`: same greedy tokens in every mode, the MTP stats fields,
+one-line errors for bad MTP flags."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.app.test_cmd_logits_generate import MODELS, mtpchat  # noqa: F401  (fixture)
+from tests.conftest import fixture_path
+
+
+def _gen(mtpchat, *extra):  # noqa: F811
+    model, ref_rel, _ = (fixture_path(p) for p in MODELS["dense"])
+    ids = ",".join(str(t) for t in np.load(ref_rel)["prompt_33"])
+    r = mtpchat("generate", "--model", str(model), "--tokens", ids, "--max-tokens", "32", "--ignore-eos",
+                "--json", "--threads", "1", *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_every_mode_gives_the_plain_tokens_and_reports_mtp_stats(mtpchat):  # noqa: F811
+    off = _gen(mtpchat, "--mtp", "off")
+    assert off["stats"]["drafted"] == 0 and off["stats"]["accept_rate"] is None
+    for mode in ("on", "adaptive", "auto"):
+        doc = _gen(mtpchat, "--mtp", mode, "--draft", "2")
+        assert doc["tokens"] == off["tokens"], mode
+        st = doc["stats"]
+        for key in ("drafted", "accepted", "accept_rate", "accepted_per_position", "mean_accepted_length", "gate"):
+            assert key in st, (mode, key)
+        if mode == "on":
+            assert st["drafted"] > 0 and len(st["accepted_per_position"]) == 2
+            assert st["accept_rate"] == pytest.approx(st["accepted"] / st["drafted"])
+            assert 1.0 <= st["mean_accepted_length"] <= 3.0
+            assert st["gate"] == []
+        if mode == "adaptive":
+            assert st["gate"][0] == {"token": 5, "state": "on", "reason": "baseline ready"}
+    default = _gen(mtpchat)
+    assert default["mtp"] == "auto" and default["tokens"] == off["tokens"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--mtp", "sometimes"), "invalid choice: 'sometimes'"),
+    (("--mtp", "on", "--draft", "9"), "--draft: must be in 1..8, got 9"),
+    (("--mtp", "on", "--draft", "0"), "--draft: must be in 1..8, got 0"),
+])
+def test_bad_mtp_flags_exit_2_with_one_line(args, message, mtpchat):  # noqa: F811
+    model = str(fixture_path(MODELS["dense"][0]))
+    r = mtpchat("generate", "--tokens", "1,2", "--max-tokens", "3", "--model", model, *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
