@@ -103,3 +103,15 @@ def test_missing_model_file_exit_2(tmp_path, mtpchat):
     r = mtpchat("logits", "--model", str(tmp_path / "nope.gguf"), "--tokens", "1", "--out", str(tmp_path / "o.npy"))
     assert r.returncode == 2
     assert r.stderr.strip() == f"error: {tmp_path / 'nope.gguf'}: no such file"
+
+
+def test_generate_chat_wraps_the_prompt_with_the_template(mtpchat):
+    pytest.importorskip("engine.text", reason="the tokenizer (engine/text) is needed for --prompt")
+    model = str(fixture_path(MODELS["dense"][0]))
+    r = mtpchat("generate", "--model", model, "--prompt", "What is a lambda?", "--chat", "--max-tokens", "4",
+                "--json", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    # <|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n (ids of the fixture vocabulary)
+    assert doc["prompt"][0] == 3400 and doc["prompt"].count(3400) == 2 and 3401 in doc["prompt"]
+    assert len(doc["tokens"]) <= 4 and doc["finish_reason"] in ("stop", "length")
