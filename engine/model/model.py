@@ -118,6 +118,31 @@ class Qwen35Model(nn.Module):
         w = self.token_embd.weight if self.output is None else self.output.weight
         return matmul_weight(h, w)
 
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> Qwen35Model:
+        """Random initialisation in the transformers style, in the file's conventions (spec §8):
+        projections and embeddings N(0, std); RMSNorm weights 1 (the +1 is stored); ssm_norm 1;
+        ssm_a = -U(0.01, 16); ssm_dt.bias 1; conv weights U(+-1/sqrt(Kc))."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+
+        def fill(p: torch.Tensor, sample) -> None:
+            p.copy_(sample(torch.empty(p.shape, dtype=torch.float32)).to(p.dtype))
+
+        for name, p in self.gguf_tensors().items():
+            short = name.rsplit(".", 2)[-2] if name.endswith((".weight", ".bias")) else name.rsplit(".", 1)[-1]
+            if short == "ssm_a":
+                fill(p, lambda t: -t.uniform_(0.01, 16.0, generator=g))
+            elif short == "ssm_dt":
+                p.fill_(1.0)
+            elif short == "ssm_conv1d":
+                bound = p.shape[-1] ** -0.5
+                fill(p, lambda t, b=bound: t.uniform_(-b, b, generator=g))
+            elif p.dim() == 1 or short.endswith("norm"):
+                p.fill_(1.0)
+            else:
+                fill(p, lambda t: t.normal_(0.0, std, generator=g))
+        return self
+
     def gguf_tensors(self) -> dict[str, torch.Tensor]:
         """GGUF tensor name -> tensor (PyTorch shape), for writing the model back to a file."""
         return {gguf_name(n): p for n, p in self.named_parameters()}

@@ -32,3 +32,17 @@ def test_backward_through_model_and_mtp():
     # experts that no token routed to get no gradient; everything else must
     assert all("_exps" in n for n in missing), missing
     assert grads["blk.0.ssm_a"].abs().sum() > 0 and grads["blk.4.nextn.eh_proj.weight"].abs().sum() > 0
+
+
+def test_init_weights_follows_file_conventions():
+    cfg = get_model(F32_MODELS["dense"][0]).cfg
+    with torch.inference_mode(False):
+        t = Qwen35Model(cfg).init_weights(seed=3).gguf_tensors()
+    assert torch.equal(t["output_norm.weight"], torch.ones(cfg.n_embd))
+    assert torch.equal(t["blk.3.attn_q_norm.weight"], torch.ones(cfg.head_dim))
+    assert torch.equal(t["blk.0.ssm_norm.weight"], torch.ones(cfg.ssm_head_v_dim))
+    assert (t["blk.0.ssm_a"] < 0).all() and torch.equal(t["blk.0.ssm_dt.bias"], torch.ones(cfg.ssm_dt_rank))
+    assert 0.015 < float(t["blk.0.attn_qkv.weight"].std()) < 0.025
+    with torch.inference_mode(False):
+        again = Qwen35Model(cfg).init_weights(seed=3).gguf_tensors()
+    assert all(torch.equal(again[n], t[n]) for n in t)
