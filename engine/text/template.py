@@ -78,12 +78,21 @@ class ChatTemplate:
         source = md.get("tokenizer.chat_template")
         if not isinstance(source, str) or not source:
             raise TemplateError("chat template: the model file has no tokenizer.chat_template")
-        added, bos, eos = (), "", ""
         if tokenizer is not None:
-            added = tokenizer.added_tokens
+            added = list(tokenizer.added_tokens)
             sp = tokenizer.special
             bos = tokenizer.piece(sp.bos) if sp.bos is not None else ""
             eos = tokenizer.piece(sp.eos) if sp.eos is not None else ""
+        else:  # no tokenizer built (e.g. `mtpchat template`): the same facts straight from the metadata
+            tokens = md.get("tokenizer.ggml.tokens") or []
+            types = md.get("tokenizer.ggml.token_type") or []
+            added = [t for t, ty in zip(tokens, types, strict=False) if ty in (3, 4)]  # CONTROL, USER_DEFINED
+
+            def text_of(key: str) -> str:
+                i = md.get(key)
+                return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""
+
+            bos, eos = text_of("tokenizer.ggml.bos_token_id"), text_of("tokenizer.ggml.eos_token_id")
         return cls(source, added, bos_token=bos, eos_token=eos, **limits)
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
