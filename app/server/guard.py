@@ -17,8 +17,9 @@ LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
 PUBLIC_ROUTES = frozenset({("GET", "/health"), ("HEAD", "/health")})
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(ApiError):
+    """Raised from inside the app while reading a body past the limit; the app's ApiError handler
+    answers it (413) after the rest of the body has been drained."""
 
 
 def host_name(value: str) -> str | None:
@@ -92,10 +93,11 @@ class GuardMiddleware:
             hdrs = dict((k.decode(), v.decode()) for k, v in extra)
             if exc.status == 401:
                 hdrs["WWW-Authenticate"] = "Bearer"
+            if exc.status == 413:
+                await self._drain(receive, 0)
             return await exc.response(hdrs)(scope, receive, send)
 
         received = 0
-        started = False
 
         async def limited_receive():
             nonlocal received
@@ -103,24 +105,32 @@ class GuardMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body:
-                    raise BodyTooLarge
+                    if message.get("more_body", False):
+                        await self._drain(receive, received)
+                    raise BodyTooLarge(413, f"request body: larger than {self.max_body} bytes",
+                                       code="request_too_large")
             return message
 
         async def send_with_cors(message):
-            nonlocal started
             if message["type"] == "http.response.start":
-                started = True
                 if extra:
                     message = dict(message)
                     message["headers"] = list(message.get("headers", [])) + extra
             await send(message)
 
-        try:
-            await self.app(scope, limited_receive, send_with_cors)
-        except BodyTooLarge:
-            if started:
-                raise
-            await self._too_large().response()(scope, receive, send)
+        await self.app(scope, limited_receive, send_with_cors)
+
+    async def _drain(self, receive, already: int) -> None:
+        """Read and discard an oversized body (up to 4x the limit, never stored) so that the client,
+        still uploading, gets the 413 instead of a connection reset."""
+        total = already
+        while total <= 4 * self.max_body:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            total += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
     def _check_host(self, values: list[str]) -> None:
         if len(values) != 1:

@@ -61,6 +61,8 @@ class ApiRequest:
     tool_choice: str | dict = "auto"
     parallel_tool_calls: bool = True
     enable_thinking: bool | None = None
+    ignore_eos: bool = False
+    return_tokens: bool = False
     prompt: str | list[int] | None = None
 
 
@@ -208,7 +210,9 @@ def _common(body: dict, lim: Limits, kind: str, default_max_tokens: int | None) 
             n_draft = v
     return ApiRequest(kind=kind, model=model, stream=stream, include_usage=include_usage,
                       max_tokens=max_tokens, stop=stop, sampling=sampling, slot=slot, mtp=mtp,
-                      n_draft=n_draft, n_draft_min=n_draft_min, mtp_adaptive=mtp_adaptive)
+                      n_draft=n_draft, n_draft_min=n_draft_min, mtp_adaptive=mtp_adaptive,
+                      ignore_eos=bool(opt_bool(body, "ignore_eos")),
+                      return_tokens=bool(opt_bool(body, "return_tokens")))
 
 
 def _stop(v: object) -> tuple[str, ...]:

@@ -74,6 +74,7 @@ class ModelBackend(SlotBackend):
                                 kv_dtype=kv_dtype or model.dtype, mtp=self.has_mtp)
         self.slots = [_Slot(store=CheckpointStore(ctx_checkpoints)) for _ in range(n_slots)]
         self.fault_hook = None   # test hook: fault_hook(slot, task) may raise before the slot's rows run
+        self.output_hook = None  # test hook: output_hook(task, i, token) -> the token emitted as the i-th
 
     # ------------------------------------------------------------------ SlotBackend
 
@@ -264,6 +265,8 @@ class ModelBackend(SlotBackend):
 
     def _emit(self, run: _Run, res: SlotStep, toks: list[int]) -> None:
         """Commit sampled tokens to the output, stopping at an end-of-generation token."""
+        if self.output_hook is not None:
+            toks = [self.output_hook(run.task, run.n_generated + j, t) for j, t in enumerate(toks)]
         for t in toks:
             res.tokens.append(t)
             run.n_generated += 1

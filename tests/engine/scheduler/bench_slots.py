@@ -1,0 +1,102 @@
+"""Aggregate decode tokens/s of the slot scheduler with 1, 2, 4 active slots, MTP off / on / adaptive / auto.
+
+Run: .venv/bin/python -m tests.engine.scheduler.bench_slots [--model PATH] [--tokens 128] [--reps 3]
+Configurations are interleaved (A B C A B C ...) to cancel machine drift; the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+
+import torch
+
+from engine.gguf import open_gguf
+from engine.model.model import load_model
+from engine.scheduler.model_backend import ModelBackend
+from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.text import text_factory
+from engine.scheduler.types import Finished, GenerationRequest, TextDelta
+from engine.text.tokenizer import Tokenizer
+
+
+def run_once(sched: Scheduler, prompts, n_tokens: int, mode: str, draft: int) -> dict:
+    logs: list[list[tuple[float, object]]] = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            logs[i].append((time.perf_counter(), ev))   # stamped on the engine thread, when it happens
+            if isinstance(ev, Finished):
+                done.release()
+        return sink
+
+    for i, p in enumerate(prompts):
+        sched.submit(GenerationRequest(prompt=tuple(p), max_tokens=n_tokens, ignore_eos=True, mtp=mode,
+                                       n_draft=draft, slot=i), sink=sink_for(i))
+    for _ in prompts:
+        done.acquire()
+    first = [min(t for t, ev in log if isinstance(ev, TextDelta)) for log in logs]
+    fins = [(t, ev) for log in logs for t, ev in log if isinstance(ev, Finished)]
+    # tokens decoded while every slot was decoding: from the latest first token to the earliest end
+    t0, t1 = max(first), min(t for t, _ in fins)
+    tokens = sum(len(ev.token_ids) for log in logs for t, ev in log if isinstance(ev, TextDelta) and t0 < t <= t1)
+    drafted = sum(ev.timings.draft_n for _, ev in fins)
+    accepted = sum(ev.timings.draft_n_accepted for _, ev in fins)
+    return {"tps": tokens / (t1 - t0) if t1 > t0 else 0.0, "accept": accepted / drafted if drafted else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="/work/shared/fixtures/models/tiny-qwen35-f32.gguf")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--draft", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    f = open_gguf(args.model)
+    tok = Tokenizer.from_gguf(f)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = load_model(f, device=args.device, dtype=dtype)
+    rng = random.Random(0)
+    text = open("/work/shared/fixtures/text/fixture-text.txt", encoding="utf-8").read()
+    prompts = []
+    for _ in range(4):
+        start = rng.randrange(len(text) - 400)
+        prompts.append(tok.encode(text[start:start + 200])[:48])
+    modes = ("off", "on", "adaptive", "auto")
+    results: dict[tuple[int, str], list[dict]] = {}
+    backend = ModelBackend(model, tok.special.eog, 4, 1024)
+    sched = Scheduler(backend, text_factory(tok.token_bytes))
+    try:
+        run_once(sched, prompts[:1], 16, "on", args.draft)  # warm-up
+        for _ in range(args.reps):
+            for n in (1, 2, 4):
+                for mode in modes:
+                    for s in range(4):
+                        backend.abort(s)   # no prefix reuse between runs
+                    results.setdefault((n, mode), []).append(run_once(sched, prompts[:n], args.tokens, mode,
+                                                                      args.draft))
+    finally:
+        sched.close()
+    table = []
+    for n in (1, 2, 4):
+        base = statistics.median(r["tps"] for r in results[(n, "off")])
+        for mode in modes:
+            rs = results[(n, mode)]
+            tps = statistics.median(r["tps"] for r in rs)
+            acc = [r["accept"] for r in rs if r["accept"] is not None]
+            table.append({"slots": n, "mtp": mode, "decode_tps": round(tps, 1), "ratio_vs_off": round(tps / base, 3),
+                          "accept_rate": round(statistics.median(acc), 3) if acc else None})
+    print(json.dumps({"model": args.model, "tokens": args.tokens, "draft": args.draft, "threads": args.threads,
+                      "device": args.device, "results": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
