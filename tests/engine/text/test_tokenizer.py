@@ -134,3 +134,16 @@ def test_bad_metadata_is_model_file_error(over, msg):
 
 def test_split_regex_is_the_qwen35_one():
     assert r"[\p{L}\p{M}]+" in QWEN35_SPLIT_REGEX
+
+
+def test_added_token_in_the_middle_keeps_its_gguf_id():
+    from engine.text.tokenizer import _bytes_to_unicode
+
+    symbols = list(_bytes_to_unicode().values())
+    tokens = symbols[:100] + ["<|im_end|>"] + symbols[100:] + ["ab"]
+    types = [1] * 100 + [3] + [1] * (len(symbols) - 100) + [1]
+    tok = Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen35",
+                                   "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+                                   "tokenizer.ggml.merges": ["a b"]})
+    assert tok.encode("ab<|im_end|>", special=True) == [257, 100]
+    assert tok.decode([257, 100], special=True) == "ab<|im_end|>"
