@@ -211,7 +211,7 @@ class OutputParser:
         else:
             tags = ((CALL_OPEN,) if self._parse_calls else ()) + ((THINK_OPEN,) if self._think else ())
             channel = self._content
-        if self._at_start and self._state == "content" and self._think:
+        if self._at_start and self._think:  # a leading <think> opens reasoning (or repeats the prompt's)
             m = _WS.match(buf, i)
             if m.end() > i:  # leading whitespace waits in the channel (dropped if <think> follows)
                 channel.add(buf[i:m.end()], ev)
@@ -219,7 +219,7 @@ class OutputParser:
             rest = buf[i:i + len(THINK_OPEN)]
             if rest.startswith(THINK_OPEN):
                 self._i = i + len(THINK_OPEN)
-                self._content.drop_pending()
+                channel.drop_pending()
                 self._open_reasoning()
                 return True
             if not final and THINK_OPEN.startswith(rest):

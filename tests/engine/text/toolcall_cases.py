@@ -41,6 +41,7 @@ CASES = [
     ("forced_open_reasoning_then_content", "Let me think.\n</think>\n\nThe answer is 4.", NT,
      {"reasoning": "Let me think.", "content": "The answer is 4."}),
     ("forced_open_no_close_all_reasoning", "Still thinking about it", NT, {"reasoning": "Still thinking about it"}),
+    ("forced_open_model_repeats_think", "<think>\nplan\n</think>\n\nok", NT, {"reasoning": "plan", "content": "ok"}),
     ("forced_open_empty_reasoning", "\n</think>\n\nHi", NT, {"content": "Hi"}),
     ("model_opens_think_itself", "<think>\nplan\n</think>\n\nanswer", N, {"reasoning": "plan", "content": "answer"}),
     ("model_opens_think_after_ws", "\n\n<think>x</think>y", N, {"reasoning": "x", "content": "y"}),
