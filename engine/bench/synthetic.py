@@ -273,7 +273,7 @@ def build_synthetic(spec: str, seed: int = 0, check_memory: bool = True) -> GGUF
         rows, k = math.prod(shp[:-1]), shp[-1]
         out = np.empty(rows * _row_bytes(t, k), dtype=np.uint8)
         out_rows = out.reshape(rows, -1)
-        step = max(1, (1 << 24) // k)  # pack ~16M weights at a time: bounded temporaries
+        step = max(1, (1 << 22) // k)  # pack ~4M weights at a time: bounded temporaries
         for r in range(0, rows, step):
             vals = _values(role, (min(step, rows - r), k), g)
             out_rows[r:r + vals.shape[0]] = pack(vals, t).numpy()

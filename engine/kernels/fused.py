@@ -1,0 +1,151 @@
+"""Fused dequantize-and-multiply over packed GGUF blocks, written once as tensor expressions.
+
+`matmul` picks, per call: for a few rows (decode, MTP verify: M ≤ SMALL_M) a reduction over the
+packed weight that inductor compiles into one C++ loop reading each weight byte once for all M rows;
+for many rows (prefill) a dequantize-a-slice-then-GEMM loop whose temporaries stay in cache.
+Without a working C++ compiler (or with MTPCHAT_KERNELS=eager) the same expressions run eagerly,
+slice by slice, so memory stays compact. `status()` says which path runs and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+log = logging.getLogger(__name__)
+
+SMALL_M = 8                 # rows up to which the fused reduction runs (decode + verify of ≤ 7 drafts)
+SLICE_WEIGHTS = 1 << 20     # weights dequantized at a time on the slice path (4 MiB of float32)
+
+_lock = threading.Lock()
+_state: dict = {"mode": None, "reason": "", "compiled": {}}
+
+
+# -- the math, once -------------------------------------------------------------------------------
+
+def dequant_view(t: T, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Packed parts of rows [N, ...blocks] -> float32 weights [N, K/32, 32] (one expression, so a
+    compiler fuses it into the product; eagerly it is materialised for a slice of rows only)."""
+    if t == T.Q8_0:   # qs [N, K/32, 32] int8, d [N, K/32, 1] f16
+        return p["qs"].float() * p["d"].float()
+    if t == T.Q4_K:   # qs [N, K/256, 4, 32] bytes (low nibble: sub-block 2c, high: 2c+1), d/dmin [N, K/256, 1]
+        qs, n = p["qs"], p["qs"].shape[0]
+        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).view(2, 1)
+        q = ((qs.unsqueeze(-2) >> shifts) & 15).reshape(n, -1, 8, 32)            # [N, K/256, 8, 32]
+        s1 = (p["d"].float() * p["sc"].float()).unsqueeze(-1)                    # d·sc per sub-block
+        m1 = (p["dmin"].float() * p["mn"].float()).unsqueeze(-1)                 # dmin·m per sub-block
+        return (s1 * q.float() - m1).reshape(n, -1, 32)
+    if t in (T.BF16, T.F16):
+        w = p["w"]
+        return w.float().view(w.shape[0], -1, 32) if w.shape[-1] % 32 == 0 else w.float().unsqueeze(-1)
+    raise ValueError(f"no packed kernel for {t.name}")
+
+
+def _rows_of(p: dict[str, torch.Tensor], idx) -> dict[str, torch.Tensor]:
+    return {k: v[idx] for k, v in p.items()}
+
+
+def dequant_rows(t: T, p: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """Rows `idx` (any shape of ids) of a 2-D packed weight -> float32 [*idx.shape, K]."""
+    idx = torch.as_tensor(idx, device=next(iter(p.values())).device)
+    flat = idx.reshape(-1)
+    w = dequant_view(t, _rows_of(p, flat))
+    return w.reshape(*idx.shape, -1)
+
+
+def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32, M small -> [M, N]: one reduction per row over the same dequantized view,
+    so a compiler fuses them into one pass over the weight."""
+    w = dequant_view(t, {n: parts[i] for i, n in enumerate(_PART_NAMES[t])})  # [N, K/32, 32]
+    g = w.shape[-1]
+    return torch.stack([(w * x[m].view(1, -1, g)).sum((-1, -2)) for m in range(x.shape[0])], dim=0)
+
+
+_PART_NAMES = {T.Q8_0: ("qs", "d"), T.Q4_K: ("qs", "d", "dmin", "sc", "mn"), T.BF16: ("w",), T.F16: ("w",)}
+
+
+def sliced_product(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] -> [M, N] by dequantizing SLICE_WEIGHTS weights at a time and a GEMM per slice."""
+    n, k = next(iter(p.values())).shape[0], x.shape[-1]  # all parts lead with the N rows
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    step = max(1, SLICE_WEIGHTS // k)
+    for r0 in range(0, n, step):
+        w = dequant_view(t, {key: v[r0:r0 + step] for key, v in p.items()}).reshape(-1, k)
+        torch.matmul(x, w.T, out=out[:, r0:r0 + w.shape[0]])
+    return out
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def status() -> tuple[str, str]:
+    """('compiled' | 'eager', why). Decided once per process, on first use."""
+    with _lock:
+        if _state["mode"] is None:
+            forced = os.environ.get("MTPCHAT_KERNELS", "").strip().lower()
+            cxx = _compiler()
+            if forced == "eager":
+                _state.update(mode="eager", reason="MTPCHAT_KERNELS=eager")
+            elif cxx is None:
+                _state.update(mode="eager", reason="no C++ compiler on PATH (torch.compile's CPU backend needs one)")
+            else:
+                _state.update(mode="compiled", reason=f"torch.compile (inductor C++) with {cxx}")
+        return _state["mode"], _state["reason"]
+
+
+def _fall_back(exc: BaseException) -> None:
+    with _lock:
+        _state.update(mode="eager", reason=f"torch.compile failed ({type(exc).__name__}: {str(exc)[:200]})")
+    log.warning("compiled kernels unavailable, using the eager path: %s", exc)
+
+
+_M_BUCKETS = (1, 2, 3, 4, 5, 8)  # row counts compiled (decode, verify of 1-4 drafts, up to SMALL_M)
+
+
+def _compiled(t: T, m: int):
+    key = (t, m)
+    fn = _state["compiled"].get(key)
+    if fn is None:
+        def product(x, *parts, _t=t):
+            return small_m_product(_t, x, *parts)
+        # a code object of its own per (type, rows): dynamo's recompile limit counts per code object
+        code = product.__code__.replace(co_name=f"packed_{t.name.lower()}_m{m}")
+        renamed = type(product)(code, product.__globals__, code.co_name)
+        renamed.__kwdefaults__ = product.__kwdefaults__
+        product = renamed
+        fn = torch.compile(product, dynamic=True, fullgraph=True)
+        _state["compiled"][key] = fn
+    return fn
+
+
+def matmul(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> x @ W.T [M, N] float32 for a packed 2-D weight."""
+    m = x.shape[0]
+    if m <= SMALL_M:
+        mode, _ = status()
+        if mode == "compiled":
+            bucket = next(b for b in _M_BUCKETS if b >= m)
+            xb = x if bucket == m else torch.cat([x, x.new_zeros(bucket - m, x.shape[1])])
+            try:
+                y = _compiled(t, bucket)(xb.contiguous(), *(p[n] for n in _PART_NAMES[t]))
+                return y if bucket == m else y[:m]
+            except Exception as exc:  # no working toolchain at run time: same math, eagerly
+                _fall_back(exc)
+    return sliced_product(t, p, x)
+
+
+def reset() -> None:
+    """Forget the decision and compiled kernels (tests switch paths with MTPCHAT_KERNELS)."""
+    with _lock:
+        _state.update(mode=None, reason="", compiled={})

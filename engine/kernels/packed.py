@@ -1,0 +1,101 @@
+"""Compact weights on the hot path: GGUF weights kept in (nearly) their file size, multiplied without
+ever materialising a dequantized copy of the whole matrix.
+
+A Q8_0 weight stays int8 quants + f16 block scales (34 bytes / 32 weights), Q4_K stays nibbles +
+6-bit scales (~0.56 bytes / weight), BF16 stays bf16. `PackedWeight.matmul` runs the fused
+dequantize-and-multiply of `engine.kernels.fused` (torch.compile'd when a C++ compiler works,
+else the eager form with the same math). Never modifies its inputs; never prints.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.kernels import fused
+
+PACKED_TYPES = (T.Q8_0, T.Q4_K, T.BF16, T.F16)
+
+
+def _k_scales(sc12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml get_scale_min_k4: [..., 12] packed bytes -> 6-bit scales, mins [..., 8] (uint8)."""
+    lo, mid, hi = sc12[..., 0:4], sc12[..., 4:8], sc12[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1)
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+class PackedWeight:
+    """One 2-D `(N, K)` or 3-D `(X, N, K)` weight in a compact form; behaves like the weight tensor
+    where the model uses it: `.matmul(x)` (x [..., K] -> [..., N] float32), `w[token_ids]` (rows of a
+    2-D weight, float32, for embeddings), `w[expert]` (one expert of a 3-D weight), `.dtype` (the
+    activation dtype, float32), `.shape`, `.device`, `.dense()`."""
+
+    def __init__(self, name: str, ggml_type: T, shape: tuple[int, ...], parts: dict[str, torch.Tensor]):
+        self.name = name
+        self.ggml_type = ggml_type
+        self.shape = torch.Size(shape)
+        self.parts = parts
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, name: str, ggml_type: T, shape: tuple[int, ...], raw: torch.Tensor) -> PackedWeight:
+        """raw: the tensor's GGUF bytes (contiguous uint8); the parts are views of it where possible."""
+        *lead, K = shape
+        # Views into the file's bytes where the layout allows (no copy: resident size = file size);
+        # parts keep the leading dims of `shape`, then the block dims.
+        if ggml_type == T.Q8_0:
+            b = raw.view(*lead, K // 32, 34)
+            parts = {"qs": b[..., 2:].view(torch.int8), "d": b[..., :2].view(torch.float16)}
+        elif ggml_type == T.Q4_K:
+            b = raw.view(*lead, K // 256, 144)
+            sc, mn = _k_scales(b[..., 4:16])
+            parts = {"qs": b[..., 16:].unflatten(-1, (4, 32)), "d": b[..., 0:2].view(torch.float16),
+                     "dmin": b[..., 2:4].view(torch.float16), "sc": sc, "mn": mn}
+        elif ggml_type == T.BF16:
+            parts = {"w": raw.view(torch.bfloat16).view(*lead, K)}
+        elif ggml_type == T.F16:
+            parts = {"w": raw.view(torch.float16).view(*lead, K)}
+        else:
+            raise ValueError(f"{name}: {ggml_type.name} has no packed form")
+        return cls(name, ggml_type, tuple(shape), parts)
+
+    # -- tensor-like surface ----------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parts.values())).device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts.values())
+
+    def __getitem__(self, idx):
+        if self.ndim == 3 and isinstance(idx, int):
+            return PackedWeight(f"{self.name}[{idx}]", self.ggml_type, tuple(self.shape[1:]),
+                                {k: v[idx] for k, v in self.parts.items()})
+        if self.ndim != 2:
+            raise TypeError(f"{self.name}: index a 3-D packed weight by one expert number")
+        return fused.dequant_rows(self.ggml_type, self.parts, idx)
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.ndim == 3:
+            return torch.stack([self[i].dense(dtype) for i in range(self.shape[0])])
+        rows = torch.arange(self.shape[0], device=self.device)
+        return fused.dequant_rows(self.ggml_type, self.parts, rows).to(dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> x @ W.T [..., N] float32."""
+        lead = x.shape[:-1]
+        y = fused.matmul(self.ggml_type, self.parts, x.reshape(-1, x.shape[-1]).float())
+        return y.reshape(*lead, self.shape[-2])
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.name}, {self.ggml_type.name}, {tuple(self.shape)}, {self.nbytes:,} B)"

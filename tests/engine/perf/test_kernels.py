@@ -1,0 +1,105 @@
+"""Compact-weight kernels: exact dequantization, products within float32 rounding of the dense
+reference, and the packed model giving the reference's greedy tokens on every fixture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from engine.bench.packing import pack
+from engine.kernels import PackedWeight, fused
+from engine.quants.dequant import dequantize
+from tests.conftest import fixture_path
+
+BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 144, T.BF16: 2}
+
+
+@pytest.fixture
+def kernels(request, monkeypatch):
+    """Run with the compiled or the eager path (param), restoring the process-wide decision."""
+    if request.param == "eager":
+        monkeypatch.setenv("MTPCHAT_KERNELS", "eager")
+    else:
+        monkeypatch.delenv("MTPCHAT_KERNELS", raising=False)
+    fused.reset()
+    yield request.param
+    fused.reset()
+
+
+def _weight(t: T, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    raw = pack(torch.randn(n, k, generator=g) * 0.05, t).reshape(-1)
+    ref = dequantize(raw.reshape(-1, BLOCK_BYTES[t]), t).reshape(n, k)
+    return PackedWeight.from_gguf("w", t, (n, k), raw), ref
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "eager"], indirect=True)
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K, T.BF16])
+def test_packed_product_matches_dense_reference(kernels, t):
+    pw, ref = _weight(t, 320, 512)
+    assert torch.equal(pw.dense(), ref)                       # dequantization is exact
+    assert torch.equal(pw[torch.tensor([[5, 9]])][0, 1], ref[9])  # embedding rows
+    for m in (1, 3, 20):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        y, r = pw.matmul(x), x @ ref.T
+        assert ((y - r).abs().max() / r.abs().max()) < 1e-5, (kernels, t.name, m)
+    mode, reason = fused.status()
+    assert mode == kernels and reason
+
+
+def test_q8_0_packed_weight_is_a_view_of_the_file_bytes():
+    raw = pack(torch.randn(64, 256), T.Q8_0).reshape(-1)
+    pw = PackedWeight.from_gguf("w", T.Q8_0, (64, 256), raw)
+    assert pw.nbytes == raw.numel()                           # 34 bytes per 32 weights, no copy
+    assert pw.parts["qs"].untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+
+
+def _greedy(model, prompt, n):
+    from engine.model.cache import ModelCache
+    cache = ModelCache(model.cfg, 1, 128)
+    with torch.inference_mode():
+        out = model.forward(torch.tensor([prompt]), cache, logits="all")
+        logits, tok = [out.logits[0]], int(out.logits[0, -1].argmax())
+        toks = [tok]
+        for _ in range(n - 1):
+            o = model.forward(torch.tensor([[tok]]), cache, logits="last")
+            logits.append(o.logits[0])
+            tok = int(o.logits[0, -1].argmax())
+            toks.append(tok)
+    return toks, torch.cat(logits)
+
+
+FIXTURES = ["tiny-qwen35-q8_0.gguf", "tiny-qwen35-q4_k_m.gguf", "tiny-qwen35-f32.gguf",
+            "tiny-qwen35-q6_k.gguf", "tiny-qwen35-iq4_xs.gguf", "tiny-qwen35moe-q8_0.gguf"]
+
+
+def _check_fixture(name: str):
+    from engine.model.model import load_model
+    path = fixture_path(f"models/{name}")
+    prompt = [int(t) for t in np.load(fixture_path("ref/tiny-qwen35.npz"))["prompt_7"]]
+    ref_toks, ref_logits = _greedy(load_model(path), prompt, 12)
+    toks, logits = _greedy(load_model(path, packed=True), prompt, 12)
+    assert toks == ref_toks, name
+    rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
+    assert rel < 1e-3, (name, float(rel))
+
+
+@pytest.mark.parametrize("kernels", ["eager"], indirect=True)
+@pytest.mark.parametrize("name", FIXTURES)
+def test_packed_model_gives_reference_tokens_eager(kernels, name):
+    _check_fixture(name)
+
+
+@pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
+@pytest.mark.parametrize("name", ["tiny-qwen35-q8_0.gguf"])
+def test_packed_model_gives_reference_tokens_compiled(kernels, name):
+    _check_fixture(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
+@pytest.mark.parametrize("name", FIXTURES)
+def test_packed_model_gives_reference_tokens_compiled_every_fixture(kernels, name):
+    _check_fixture(name)
