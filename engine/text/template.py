@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError, TemplateError
@@ -95,6 +96,12 @@ class ChatTemplate:
             bos, eos = text_of("tokenizer.ggml.bos_token_id"), text_of("tokenizer.ggml.eos_token_id")
         return cls(source, added, bos_token=bos, eos_token=eos, **limits)
 
+    @classmethod
+    def bundled(cls, name: str = "qwen35", added_tokens: Iterable[str] = (), **kwargs: Any) -> ChatTemplate:
+        """A template shipped with mtpchat (B1: what the app offers when a file's own template is rejected).
+        name: "qwen35" (Qwen3.5, = llama.cpp models/templates/Qwen3.5-4B.jinja) or "qwen36" (Qwen3.6)."""
+        return cls(bundled_template_source(name), added_tokens, **kwargs)
+
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
                *, add_generation_prompt: bool = True, template_kwargs: Mapping[str, Any] | None = None
                ) -> RenderedPrompt:
@@ -150,6 +157,16 @@ class ChatTemplate:
             pieces.append((marked[pos:], True))
         text = "".join(p for p, _ in pieces)
         return RenderedPrompt(text=text, pieces=tuple(pieces))
+
+
+BUNDLED_TEMPLATES = {"qwen35": "qwen35.jinja", "qwen35moe": "qwen35.jinja", "qwen36": "qwen36.jinja"}
+
+
+def bundled_template_source(name: str) -> str:
+    file = BUNDLED_TEMPLATES.get(name)
+    if file is None:
+        raise InputError(f"chat template: no bundled template named {name!r} ({', '.join(BUNDLED_TEMPLATES)})")
+    return (Path(__file__).resolve().parent / "templates" / file).read_text(encoding="utf-8")
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:

@@ -360,3 +360,12 @@ def test_b5_allowed_kwargs_change_exactly_what_they_should(chat, qwen_tok, qwen3
     assert kept == dropped.replace("assistant\nA1", "assistant\n<think>\nR1\n</think>\n\nA1")
     assert check_template_kwargs(None) == {}
     print(f"METRIC B5 forbidden={len(FORBIDDEN)} rejected={len(FORBIDDEN)} allowed=4 ok=4")
+
+
+def test_bundled_templates_are_the_fixture_texts(qwen35_source, qwen36_source, qwen_tok):
+    assert ChatTemplate.bundled("qwen35").source == qwen35_source
+    assert ChatTemplate.bundled("qwen36").source == qwen36_source
+    user = [{"role": "user", "content": "hi"}]
+    assert ChatTemplate.bundled("qwen35moe", qwen_tok.added_tokens).render(user).text.endswith("assistant\n<think>\n")
+    with pytest.raises(InputError, match="no bundled template named 'llama'"):
+        ChatTemplate.bundled("llama")
