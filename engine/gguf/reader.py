@@ -71,13 +71,14 @@ class GGUFFile:
         """The raw bytes of a tensor as an owned uint8 array (packed GGUF blocks for quantized types)."""
         if name not in self.tensors:
             raise KeyError(name)
-        return next(iter(self.read_tensors([name])))[1]
+        return dict(self.read_tensors([name]))[name]
 
     def read_tensors(self, names: Iterable[str] | None = None) -> Iterable[tuple[str, np.ndarray]]:
         """Yield (name, owned uint8 array) for `names` (default: all), in file order, through one descriptor.
 
         The file's size, mtime, inode and device must still match what they were when the header was
-        checked, before and after each read; otherwise ModelFileError("model file changed ...").
+        checked, before and after each read and, by name, once all are read (a replaced or deleted
+        file); otherwise ModelFileError("model file changed ..."). Consume the iterator to the end.
         """
         wanted = list(self.tensors) if names is None else list(names)
         infos = sorted((self.tensors[n] for n in wanted), key=lambda t: t.offset)
@@ -119,6 +120,13 @@ def _read_owned(path: Path, stamp: FileStamp, infos: list[TensorInfo]) -> Iterab
             if _stamp_of(fd) != stamp:
                 raise ModelFileError(path, f"model file changed while loading (at tensor {t.name!r})")
             yield t.name, out
+        # The descriptor still shows the old file when the path was replaced or deleted: check the name too.
+        try:
+            by_name = FileStamp.of(os.stat(path))
+        except OSError:
+            by_name = None
+        if _stamp_of(fd) != stamp or by_name != stamp:
+            raise ModelFileError(path, "model file changed while loading (truncated, rewritten, replaced or deleted)")
     finally:
         os.close(fd)
 

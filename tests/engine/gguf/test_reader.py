@@ -104,3 +104,17 @@ def test_a6_open_does_not_map_the_file(tiny):
     w = m.load_weights()
     assert str(tiny) not in open(maps).read()
     assert w
+
+
+def test_a6_in_a_child_process_no_signal_clean_errors_identical_tokens(tmp_path):
+    """The matrix's A6 shape: 10 changes during load, 10 after load with an 8-token greedy decode."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    r = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "tests.engine.gguf.a6_child", str(tmp_path), "7"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    print(r.stdout)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])  # negative = killed by a signal
+    assert "METRIC A6 during=10 clean_errors=10 after=10 identical=10 signals=0" in r.stdout
