@@ -16,8 +16,9 @@ from tests.engine.model.conftest import assert_close, get_model, get_ref
 ORDER = [0, 1, 2, 3, 2, 3]      # original main block of each RYS block: GDN GDN GDN ATTN GDN ATTN
 
 
-def write_rys(src: str, dst, order: list[int]) -> None:
-    """Copy the GGUF `src` with main blocks in `order` (the MTP block stays last), raw bytes as stored."""
+def write_rys(src: str, dst, order: list[int], drop: tuple[str, ...] = ()) -> None:
+    """Copy the GGUF `src` with main blocks in `order` (the MTP block stays last), raw bytes as stored,
+    leaving out the tensors named in `drop`."""
     r = GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     n_main = r.fields[f"{arch}.block_count"].contents() - r.fields[f"{arch}.nextn_predict_layers"].contents()
@@ -36,6 +37,8 @@ def write_rys(src: str, dst, order: list[int]) -> None:
     for b in range(n_main, n_main + 1):
         new_index[b] = [len(order) + b - n_main]
     for t in r.tensors:
+        if t.name in drop:
+            continue
         names = [t.name]
         if t.name.startswith("blk."):
             old = int(t.name.split(".")[1])
@@ -97,3 +100,26 @@ def test_rys_matches_original_layers_in_repeated_order(rys):
     assert mtp.logits.shape == (1, 64, rys.cfg.n_vocab)
     # and the result differs from the original model: the repetition is really used
     assert not np.allclose(ref_logits.numpy(), orig(tokens).logits.numpy(), atol=1e-2)
+
+
+def test_tied_head_when_output_weight_is_absent(tmp_path):
+    """No output.weight: the head is token_embd (spec §3.1)."""
+    dst = tmp_path / "tied.gguf"
+    write_rys(str(fixture_path("models/tiny-qwen35-f32.gguf")), dst, [0, 1, 2, 3], drop=("output.weight",))
+    tied = load_model(dst)
+    assert tied.cfg.tied_output and tied.output is None
+    tokens = torch.tensor(get_ref("ref/tiny-qwen35.npz")["prompt_7"], dtype=torch.long)[None]
+    out = tied(tokens)
+    want = out.hidden @ tied.token_embd.weight.T
+    assert torch.allclose(out.logits, want, atol=1e-5)
+    mtp = tied.mtp_forward(tokens, shift_hidden(out.hidden))
+    assert torch.allclose(mtp.logits, mtp.hidden @ tied.token_embd.weight.T, atol=1e-5)
+
+
+def test_missing_tensor_is_a_model_file_error(tmp_path):
+    from engine.errors import ModelFileError
+
+    dst = tmp_path / "broken.gguf"
+    write_rys(str(fixture_path("models/tiny-qwen35-f32.gguf")), dst, [0, 1, 2, 3], drop=("blk.1.ssm_a",))
+    with pytest.raises(ModelFileError, match=r"blk\.1\.ssm_a: required tensor missing"):
+        load_model(dst)
