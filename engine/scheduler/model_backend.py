@@ -60,7 +60,8 @@ class _Slot:
 
 class ModelBackend(SlotBackend):
     def __init__(self, model, eog_ids: frozenset[int], n_slots: int, n_ctx_slot: int, *, prefill_chunk: int = 256,
-                 ctx_checkpoints: int = 8, delta_chunk: int = 64, kv_dtype: torch.dtype | None = None):
+                 ctx_checkpoints: int = 8, delta_chunk: int = 64, kv_dtype: torch.dtype | None = None,
+                 batch_slots: bool = True):
         self.model = model
         self.cfg = model.cfg
         self.n_slots = n_slots
@@ -73,6 +74,9 @@ class ModelBackend(SlotBackend):
         self.cache = ModelCache(self.cfg, n_slots, n_ctx_slot, device=model.device,
                                 kv_dtype=kv_dtype or model.dtype, mtp=self.has_mtp)
         self.slots = [_Slot(store=CheckpointStore(ctx_checkpoints)) for _ in range(n_slots)]
+        # False: every slot's step/round runs as its own forward (the "alternating" baseline of the
+        # batching measurement); True: one forward per kind of work for all active slots
+        self.batch_slots = batch_slots
         self.fault_hook = None   # test hook: fault_hook(slot, task) may raise before the slot's rows run
         self.output_hook = None  # test hook: output_hook(task, i, token) -> the token emitted as the i-th
 
@@ -126,10 +130,17 @@ class ModelBackend(SlotBackend):
                     plain.append(slot)
                 else:
                     rounds.setdefault(k, []).append(slot)
-            if plain:
-                out.update(self._plain_steps(plain))
-            for k, group in sorted(rounds.items()):
-                out.update(self._rounds(group, k))
+            if self.batch_slots:
+                if plain:
+                    out.update(self._plain_steps(plain))
+                for k, group in sorted(rounds.items()):
+                    out.update(self._rounds(group, k))
+            else:
+                for slot in plain:
+                    out.update(self._plain_steps([slot]))
+                for k, group in sorted(rounds.items()):
+                    for slot in group:
+                        out.update(self._rounds([slot], k))
         return out
 
     def finish(self, slot: int, n_kept: int) -> None:

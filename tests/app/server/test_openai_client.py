@@ -142,3 +142,27 @@ def test_slot_pins_land_on_their_slots(client, server):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        extra_body={"id_slot": 7})
+
+
+def test_metrics_exposition(client, server):
+    import re
+
+    import httpx
+    r = client.completions.create(model="tiny-slot1", prompt="The object", max_tokens=24, temperature=0,
+                                  extra_body={"mtp": "on"})
+    timings = r.model_extra["timings"]
+    assert timings["draft_n"] > 0
+    text = httpx.get(server.url + "/metrics").text
+    samples = dict(re.findall(r"^(\S+) (\S+)$", text, flags=re.M))
+    lab = '{model_name="tiny",slot="1"}'
+    assert float(samples["mtpchat:spec_decode_num_drafts_total" + lab]) >= 1
+    assert float(samples["mtpchat:spec_decode_num_draft_tokens_total" + lab]) >= timings["draft_n"]
+    assert float(samples["mtpchat:spec_decode_num_accepted_tokens_total" + lab]) >= timings["draft_n_accepted"]
+    assert 'mtpchat:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0",slot="1"}' in samples
+    assert 'mtpchat:spec_decode_num_drafts_per_pos_total{model_name="tiny",position="0",slot="1"}' in samples
+    assert samples['mtpchat:mtp_gate_state{slot="1"}'] in ("0.0", "1.0", "2.0")
+    for name in ("prompt_tokens_total", "tokens_predicted_total", "requests_processing", "requests_deferred",
+                 "n_decode_total", "request_latency_seconds_count", "time_to_first_token_seconds_count"):
+        assert "mtpchat:" + name in samples, name
+    assert not any(k.endswith("_created") for k in samples)
+    assert "# TYPE mtpchat:spec_decode_num_drafts_total counter" in text

@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--draft", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-batch", action="store_true", help="one forward per slot (alternating) instead of batched")
+    ap.add_argument("--modes", default="off,on,adaptive,auto")
+    ap.add_argument("--slots", default="1,2,4")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     f = open_gguf(args.model)
@@ -70,14 +73,15 @@ def main() -> None:
     for _ in range(4):
         start = rng.randrange(len(text) - 400)
         prompts.append(tok.encode(text[start:start + 200])[:48])
-    modes = ("off", "on", "adaptive", "auto")
+    modes = tuple(args.modes.split(","))
+    slot_counts = tuple(int(x) for x in args.slots.split(","))
     results: dict[tuple[int, str], list[dict]] = {}
-    backend = ModelBackend(model, tok.special.eog, 4, 1024)
+    backend = ModelBackend(model, tok.special.eog, 4, 1024, batch_slots=not args.no_batch)
     sched = Scheduler(backend, text_factory(tok.token_bytes))
     try:
         run_once(sched, prompts[:1], 16, "on", args.draft)  # warm-up
         for _ in range(args.reps):
-            for n in (1, 2, 4):
+            for n in slot_counts:
                 for mode in modes:
                     for s in range(4):
                         backend.abort(s)   # no prefix reuse between runs
@@ -86,16 +90,16 @@ def main() -> None:
     finally:
         sched.close()
     table = []
-    for n in (1, 2, 4):
-        base = statistics.median(r["tps"] for r in results[(n, "off")])
+    for n in slot_counts:
+        base = statistics.median(r["tps"] for r in results[(n, modes[0])])
         for mode in modes:
             rs = results[(n, mode)]
             tps = statistics.median(r["tps"] for r in rs)
             acc = [r["accept"] for r in rs if r["accept"] is not None]
-            table.append({"slots": n, "mtp": mode, "decode_tps": round(tps, 1), "ratio_vs_off": round(tps / base, 3),
+            table.append({"slots": n, "mtp": mode, "decode_tps": round(tps, 1), f"ratio_vs_{modes[0]}": round(tps / base, 3),
                           "accept_rate": round(statistics.median(acc), 3) if acc else None})
     print(json.dumps({"model": args.model, "tokens": args.tokens, "draft": args.draft, "threads": args.threads,
-                      "device": args.device, "results": table}, indent=1))
+                      "device": args.device, "batched": not args.no_batch, "results": table}, indent=1))
 
 
 if __name__ == "__main__":
