@@ -344,14 +344,20 @@ class ModelBackend(SlotBackend):
             emitted.append(ids)
         t2 = time.perf_counter()
         self.cache.rollback(out.gdn_steps, [a + 1 for a in n_acc])
+        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a, one MTP pass per distinct a
+        by_a: dict[int, list[int]] = {}
+        for i, a in enumerate(n_acc):
+            if a > 0:
+                by_a.setdefault(a, []).append(i)
+        for a, rows_i in by_a.items():
+            self.model.mtp_forward(d[rows_i, :a], out.hidden[rows_i, :a], self.cache, [slots[i] for i in rows_i],
+                                   logits="none")
         results = {}
         for i, s in enumerate(slots):
             st = self.slots[s]
             run = st.run
             a = n_acc[i]
             st.tokens.extend(rows[i, : a + 1].tolist())
-            if a > 0:
-                self.model.mtp_forward(d[i:i + 1, :a], out.hidden[i:i + 1, :a], self.cache, [s], logits="none")
             st.carry = out.hidden[i, a].clone()
             res = SlotStep()
             self._emit(run, res, emitted[i])

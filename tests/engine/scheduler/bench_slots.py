@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-batch", action="store_true", help="one forward per slot (alternating) instead of batched")
+    ap.add_argument("--compare-batching", action="store_true",
+                    help="run every configuration batched and alternating, interleaved")
     ap.add_argument("--modes", default="off,on,adaptive,auto")
     ap.add_argument("--slots", default="1,2,4")
     args = ap.parse_args()
@@ -80,23 +82,28 @@ def main() -> None:
     sched = Scheduler(backend, text_factory(tok.token_bytes))
     try:
         run_once(sched, prompts[:1], 16, "on", args.draft)  # warm-up
+        batchings = (True, False) if args.compare_batching else (not args.no_batch,)
         for _ in range(args.reps):
             for n in slot_counts:
                 for mode in modes:
-                    for s in range(4):
-                        backend.abort(s)   # no prefix reuse between runs
-                    results.setdefault((n, mode), []).append(run_once(sched, prompts[:n], args.tokens, mode,
-                                                                      args.draft))
+                    for batched in batchings:
+                        backend.batch_slots = batched
+                        for s in range(4):
+                            backend.abort(s)   # no prefix reuse between runs
+                        key = (n, mode if len(batchings) == 1 else f"{mode}/{'batched' if batched else 'alternating'}")
+                        results.setdefault(key, []).append(run_once(sched, prompts[:n], args.tokens, mode,
+                                                                    args.draft))
     finally:
         sched.close()
     table = []
     for n in slot_counts:
-        base = statistics.median(r["tps"] for r in results[(n, modes[0])])
-        for mode in modes:
+        keys = [k for (m, k) in results if m == n]
+        base = statistics.median(r["tps"] for r in results[(n, keys[0])])
+        for mode in keys:
             rs = results[(n, mode)]
             tps = statistics.median(r["tps"] for r in rs)
             acc = [r["accept"] for r in rs if r["accept"] is not None]
-            table.append({"slots": n, "mtp": mode, "decode_tps": round(tps, 1), f"ratio_vs_{modes[0]}": round(tps / base, 3),
+            table.append({"slots": n, "mtp": mode, "decode_tps": round(tps, 1), "ratio_vs_first": round(tps / base, 3),
                           "accept_rate": round(statistics.median(acc), 3) if acc else None})
     print(json.dumps({"model": args.model, "tokens": args.tokens, "draft": args.draft, "threads": args.threads,
                       "device": args.device, "batched": not args.no_batch, "results": table}, indent=1))
