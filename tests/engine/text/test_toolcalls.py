@@ -132,20 +132,19 @@ def test_d3_fuzz_no_uncaught_exception():
         name, text, opts, _ = CASES[k % len(CASES)]
         tools, kw = _options(opts)
         text = _mutate(rng, text)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         try:
             r = parse_output(text, tools, **kw)
-            if k % 10 == 0:  # streaming too, in random chunks
-                sizes, left = [], len(text)
-                while left > 0:
-                    sizes.append(min(left, rng.randint(1, 64)))
-                    left -= sizes[-1]
-                assert _stream(text, sizes, tools, kw) == r
+            sizes, left = [], len(text)  # and streamed, in random chunks
+            while left > 0:
+                sizes.append(min(left, rng.randint(1, 64)))
+                left -= sizes[-1]
+            assert _stream(text, sizes, tools, kw) == r
         except Exception as exc:  # noqa: BLE001 - the assertion below reports it with the seed
             pytest.fail(f"seed={seed} mutation={k} case={name} input={text[:300]!r}: {type(exc).__name__}: {exc}")
-        worst = max(worst, time.perf_counter() - t0)
+        worst = max(worst, time.process_time() - t0)
         assert isinstance(r.content, str) and isinstance(r.tool_calls, list)
-    assert worst < 0.5, worst  # matrix: < 50 ms each on an idle machine; generous for a shared CI box
+    assert worst < 0.05, worst  # matrix: < 50 ms each (CPU time of this process, the box is shared)
     print(f"METRIC D3 mutations={n} exceptions=0 max_ms={worst * 1000:.0f} seed={seed}")
 
 
@@ -168,7 +167,8 @@ def _shapes(n: int) -> dict[str, str]:
 
 
 def _time_parse(text: str, chunk: int | None) -> float:
-    t0 = time.perf_counter()
+    """CPU seconds of this process (other processes on the shared box do not count)."""
+    t0 = time.process_time()
     if chunk is None:
         parse_output(text, TOOLSETS["W"], thinking_open=False, id_prefix="t")
     else:
@@ -176,20 +176,19 @@ def _time_parse(text: str, chunk: int | None) -> float:
         for i in range(0, len(text), chunk):
             p.feed(text[i:i + chunk])
         p.finish()
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
-# Quadratic behaviour shows as ~100x per 10x of input. The default run (10^4 -> 10^5 on a shared 2-core
-# box, where millisecond timings are noisy and allocator effects add ~3x) allows 40x; the slow run applies the matrix's 15x at 10^6.
-@pytest.mark.parametrize("big, ratio_max", [(100_000, 40.0)])
+# Timed in process CPU seconds (the box is shared), min of 3; quadratic behaviour shows as ~100x per 10x.
+@pytest.mark.parametrize("big, ratio_max", [(100_000, 15.0)])
 def test_d4_linear_time(big, ratio_max):
     small = big // 10
     worst_ratio, worst_big = 0.0, 0.0
     for name in _shapes(small):
         for chunk in (None, 16):
             t_small = min(_time_parse(_shapes(small)[name], chunk) for _ in range(3))
-            t_big = min(_time_parse(_shapes(big)[name], chunk) for _ in range(2))
-            ratio = t_big / max(t_small, 5e-3)  # timings under 5 ms are noise here: floor the denominator
+            t_big = min(_time_parse(_shapes(big)[name], chunk) for _ in range(3))
+            ratio = t_big / max(t_small, 2e-3)  # CPU timings under 2 ms are coarse: floor the denominator
             worst_ratio, worst_big = max(worst_ratio, ratio), max(worst_big, t_big)
             assert ratio <= ratio_max, (name, chunk, t_small, t_big)
     assert worst_big < 2.0
