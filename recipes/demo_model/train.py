@@ -1,0 +1,208 @@
+"""Train the demo model on CPU: corpus -> BPE -> joint next-token + MTP training -> checkpoint (issue 6).
+
+Deterministic for a given thread count: fixed seeds, a fixed step count (never a time budget), the
+batch order drawn from a seeded generator. Progress goes to the log (stderr), one line per few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from recipes.demo_model import corpus, tokenizer_train
+from recipes.demo_model.model import DemoDims, DemoModel
+
+log = logging.getLogger("demo_model.train")
+
+ASSISTANT_OPEN = "<|im_start|>assistant\n"
+TURN_END = "<|im_end|>"
+MTP_WEIGHTS = (0.5, 0.3, 0.3)   # passes 1..3: draft positions 1, 2, 3
+
+
+def assistant_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of the assistant's own text: after '<|im_start|>assistant\\n' up to and
+    including its '<|im_end|>' (the model must learn to stop)."""
+    spans, i = [], 0
+    while True:
+        a = text.find(ASSISTANT_OPEN, i)
+        if a < 0:
+            return spans
+        b = text.find(TURN_END, a)
+        end = len(text) if b < 0 else b + len(TURN_END)
+        spans.append((a + len(ASSISTANT_OPEN), end))
+        i = end
+
+
+def encode_corpus(tok, texts: list[str]) -> list[tuple[list[int], list[float]]]:
+    """-> (ids, weights) per conversation; weights[t] = 1 when ids[t+1] is assistant text."""
+    out = []
+    for text, enc in zip(texts, tok.encode_batch(texts), strict=True):
+        spans = assistant_spans(text)
+        ids = enc.ids
+        is_asst = [any(s <= off[0] < e for s, e in spans) for off in enc.offsets]
+        w = [1.0 if is_asst[t + 1] else 0.0 for t in range(len(ids) - 1)] + [0.0]
+        out.append((ids, w))
+    return out
+
+
+def common_prefix(seqs: list[list[int]]) -> list[int]:
+    """The longest token prefix shared by all sequences (the tools block of the tool conversations)."""
+    first = seqs[0]
+    n = len(first)
+    for s in seqs[1:]:
+        m = 0
+        while m < min(n, len(s)) and s[m] == first[m]:
+            m += 1
+        n = m
+    return first[:n]
+
+
+def split_prefix(samples, has_tools: list[bool]):
+    """-> (prefix ids, samples with the prefix cut from the tool conversations, group per sample)."""
+    prefix = common_prefix([samples[i][0] for i, t in enumerate(has_tools) if t])
+    P = len(prefix)
+    out = []
+    for (ids, w), t in zip(samples, has_tools, strict=True):
+        if t:
+            assert ids[:P] == prefix and not any(w[:P])
+            ids, w = ids[P:], w[P:]
+        out.append((ids, w))
+    return prefix, out
+
+
+def make_batches(samples, groups: list[bool], max_tokens: int, max_len: int, rng: random.Random
+                 ) -> list[list[int]]:
+    """Length-bucketed batches, one group per batch (rows continue the shared tools prefix or start
+    fresh at position 0, as in chat), in a seeded random order."""
+    order = sorted(range(len(samples)), key=lambda i: (groups[i], len(samples[i][0])))
+    batches, cur, cur_len = [], [], 0
+    for i in order:
+        n = min(len(samples[i][0]), max_len)
+        if cur and (groups[cur[0]] != groups[i] or max(cur_len, n) * (len(cur) + 1) > max_tokens):
+            batches.append(cur)
+            cur, cur_len = [], 0
+        cur.append(i)
+        cur_len = max(cur_len, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(samples, idx: list[int], max_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = min(max(len(samples[i][0]) for i in idx), max_len)
+    tokens = torch.full((len(idx), T), pad_id, dtype=torch.long)
+    weights = torch.zeros(len(idx), T)
+    for r, i in enumerate(idx):
+        ids, w = samples[i]
+        n = min(len(ids), T)
+        tokens[r, :n] = torch.tensor(ids[:n])
+        weights[r, :n] = torch.tensor(w[:n])
+        weights[r, n - 1] = 0.0
+    return tokens, weights
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    prog = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
+
+
+def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: int, lr: float,
+          seed: int, threads: int, log_every: int = 10) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    texts = corpus.corpus_texts("train", n_conv)
+    tok = tokenizer_train.build_tokenizer(texts[: tokenizer_train.N_TEXTS])
+    tok.save(str(out_dir / "tokenizer.json"))
+    has_tools = [corpus.make_conversation("train", i).tools is not None for i in range(n_conv)]
+    prefix, samples = split_prefix(encode_corpus(tok, texts), has_tools)
+    prefix_tokens = torch.tensor([prefix])
+    pad_id = tok.token_to_id("<|endoftext|>")
+    t_data = time.monotonic() - t0
+    log.info("corpus: %d conversations, %d tokens after the shared %d-token tools prefix (%d trained), "
+             "data %.1fs", len(samples), sum(len(s[0]) for s in samples), len(prefix),
+             int(sum(sum(s[1]) for s in samples)), t_data)
+
+    dims = DemoDims()
+    model = DemoModel(dims)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or "parametrizations" in name else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    rng = random.Random(seed)
+    batches: list[list[int]] = []
+    history = []
+    t_train = time.monotonic()
+    for step in range(steps):
+        if not batches:
+            batches = make_batches(samples, has_tools, max_tokens, max_len, rng)
+        idx = batches.pop()
+        tokens, weights = collate(samples, idx, max_len, pad_id)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup=max(1, steps // 20))
+        losses = model.losses(tokens, weights, n_pass=len(MTP_WEIGHTS),
+                              prefix_tokens=prefix_tokens if has_tools[idx[0]] else None)
+        loss = losses["main"] + sum(wt * losses[f"mtp{p}"] for p, wt in enumerate(MTP_WEIGHTS, start=1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        rec = {k: round(float(v.detach()), 4) for k, v in losses.items()}
+        rec.update(step=step, tokens=int(tokens.numel()), tools=has_tools[idx[0]], elapsed=round(time.monotonic() - t_train, 1))
+        history.append(rec)
+        if step % log_every == 0 or step == steps - 1:
+            log.info("step %d/%d %s", step, steps, rec)
+        if (step + 1) % 40 == 0 and step + 1 < steps:   # a partial checkpoint to evaluate early
+            torch.save({"state_dict": model.state_dict(), "dims": dims.__dict__, "seed": seed, "steps": step + 1},
+                       out_dir / "checkpoint-partial.pt")
+    train_s = time.monotonic() - t_train
+    torch.save({"state_dict": model.state_dict(), "dims": dims.__dict__, "seed": seed, "steps": steps},
+               out_dir / "checkpoint.pt")
+    summary = {"steps": steps, "n_conv": n_conv, "max_tokens": max_tokens, "lr": lr, "seed": seed,
+               "threads": threads, "data_s": round(t_data, 1), "train_s": round(train_s, 1),
+               "final": history[-1], "history": history}
+    (out_dir / "train_log.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def load_checkpoint(path: Path) -> DemoModel:
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    model = DemoModel(DemoDims(**{k: tuple(v) if isinstance(v, list) else v for k, v in ck["dims"].items()}))
+    model.init_weights(torch.Generator().manual_seed(0))   # registers the ssm_a parametrization
+    model.load_state_dict(ck["state_dict"])
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Train the bundled demo model (CPU).")
+    p.add_argument("--out", type=Path, default=Path("recipes/demo_model/build"))
+    p.add_argument("--steps", type=int, default=280)
+    p.add_argument("--n-conv", type=int, default=12000)
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (padded)")
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    s = train(a.out, steps=a.steps, n_conv=a.n_conv, max_tokens=a.max_tokens, max_len=a.max_len, lr=a.lr,
+              seed=a.seed, threads=a.threads)
+    log.info("done: %s", {k: v for k, v in s.items() if k != "history"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The demo vocabulary: the fixtures' layout, and the engine's GGUF tokenizer gives the training ids."""
+
+from __future__ import annotations
+
+from engine.text.template import ChatTemplate
+from engine.text.tokenizer import Tokenizer
+from recipes.demo_model import corpus, tokenizer_train
+
+
+def _metadata(vocab):
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen35",
+            "tokenizer.ggml.tokens": vocab["tokens"], "tokenizer.ggml.token_type": vocab["token_type"],
+            "tokenizer.ggml.merges": vocab["merges"], "tokenizer.ggml.eos_token_id": vocab["eos_token_id"],
+            "tokenizer.ggml.padding_token_id": vocab["padding_token_id"],
+            "tokenizer.ggml.add_bos_token": False, "tokenizer.chat_template": corpus.chat_template_text()}
+
+
+def test_layout_bpe_then_control_then_user_defined_then_padding(tiny_tokenizer):
+    v = tokenizer_train.gguf_vocab(tiny_tokenizer, 512)
+    types, tokens = v["token_type"], v["tokens"]
+    n = tiny_tokenizer.get_vocab_size(with_added_tokens=True)
+    n_bpe = n - len(tokenizer_train.ADDED_TOKENS)
+    assert types[:n_bpe] == [1] * n_bpe
+    assert tokens[n_bpe:n] == tokenizer_train.ADDED_TOKENS
+    assert types[n_bpe:n] == [3, 3, 3, 4, 4, 4, 4, 4, 4]
+    assert tokens[n:] == [f"[PAD{i}]" for i in range(n, 512)] and set(types[n:]) == {5}
+    assert tokens[v["eos_token_id"]] == "<|im_end|>" and tokens[v["padding_token_id"]] == "<|endoftext|>"
+    assert len(v["merges"]) == n_bpe - 256 and all(m.count(" ") == 1 for m in v["merges"])
+
+
+def test_engine_tokenizer_from_the_gguf_keys_gives_the_training_ids(tiny_tokenizer):
+    v = tokenizer_train.gguf_vocab(tiny_tokenizer, 512)
+    md = _metadata(v)
+    engine_tok = Tokenizer.from_metadata(md)
+    tmpl = ChatTemplate.from_tokenizer_metadata(md, engine_tok)
+    for i in range(60):
+        conv = corpus.make_conversation("test", i)
+        rp = tmpl.render(conv.messages, conv.tools, add_generation_prompt=False)
+        want = tiny_tokenizer.encode(rp.text).ids
+        assert engine_tok.encode_chat(rp.pieces) == want, f"conversation {i}"
+        assert engine_tok.decode(want, special=True) == rp.text
