@@ -25,6 +25,8 @@ from engine.spec.policy import AutoPolicy
 from engine.spec.rejection import accepted_prefix, draw_uniforms, inverse_cdf, sample_and_compare
 from engine.spec.stops import StopChecker, StopRule
 
+MTP_QUEUE_MAX = 256
+
 # A draft hook sees (slot, P, drafts [k] long on the device, targets unknown) and returns the drafts to
 # verify: tests force rejections with it, `bench --wrong-drafts` measures pure overhead.
 DraftHook = Callable[[int, int, torch.Tensor], torch.Tensor]
@@ -54,6 +56,12 @@ class SpecOptions:
     prefill_chunk: int | None = None   # prompt tokens per prefill forward (None: the whole prompt)
     delta_chunk: int = 64
     draft_hook: DraftHook | None = None
+    # the clock of every timing (events, policies): wall time by default; `time.thread_time` measures
+    # this thread's CPU time, which a one-thread CPU benchmark on a shared machine needs
+    clock: Callable[[], float] = time.perf_counter
+    # plain steps queue their MTP entries and write them in one batch before the next draft, at 256
+    # queued rows and at the end of the request (spec §5.3 "lazily"); False writes one row per step
+    lazy_mtp_sync: bool = True
 
     def __post_init__(self):
         if self.hidden not in HIDDEN_MODES:
@@ -93,6 +101,9 @@ class _Seq:
     pending: int = -1                  # s0: emitted, not yet in the main cache
     carry: torch.Tensor | None = None  # h(n-1) [E] for the MTP head
     uniforms: torch.Tensor | None = None  # [max_tokens] float64: the draw for generated token t
+    # plain-step MTP entries not yet written (spec §5.3, lazy form): tokens and their hidden rows h(q-1)
+    mtp_queue: list[int] = field(default_factory=list)
+    mtp_queue_hidden: list[torch.Tensor] = field(default_factory=list)
     n_past: int = 0                    # committed tokens in the main cache
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -170,6 +181,12 @@ class SpecDecoder:
                 for k in sorted(groups):
                     group = groups[k]
                     yield from (self._plain(group) if k == 0 else self._round(group, k))
+                for s, _ in groups.get(0, ()):
+                    if s.done and s.mtp_queue:
+                        # the request ended: leave the MTP cache describing every committed token
+                        t0 = self.opt.clock()
+                        self._flush_mtp(s)
+                        s.decode_s += self.opt.clock() - t0
 
     # ------------------------------------------------------------------ pieces
 
@@ -189,7 +206,7 @@ class SpecDecoder:
         return inverse_cdf(s.sampler.probs(logits), self._uniforms(s, logits.shape[0]))[:, 0]
 
     def _prefill(self, s: _Seq) -> None:
-        t0 = time.perf_counter()
+        t0 = self.opt.clock()
         m, cache = self.model, self.cache
         toks = torch.tensor([s.prompt], dtype=torch.long, device=m.device)
         step = self.opt.prefill_chunk or len(s.prompt)
@@ -208,26 +225,33 @@ class SpecDecoder:
         first = int(self._sample_rows(s, out.logits[:, -1])[0])
         s.pending = first
         s.checker.push(first)
-        s.prefill_s = time.perf_counter() - t0
+        s.prefill_s = self.opt.clock() - t0
 
     def _plain(self, group: list[tuple[_Seq, Decision]]) -> Iterator[RoundEvent]:
         """One plain step for every sequence of the group in one forward (and one MTP sync pass)."""
-        t0 = time.perf_counter()
+        t0 = self.opt.clock()
         m, cache = self.model, self.cache
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
         x = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=m.device)
         out = m.forward(x, cache, slots, logits="all", chunk=self.opt.delta_chunk)
         h = self._hidden(out)
-        if self.uses_mtp:   # spec §5.3: E(q) = (x_q, carry), then carry = h(q)
+        if self.uses_mtp and not self.opt.lazy_mtp_sync:   # spec §5.3: E(q) = (x_q, carry), carry = h(q)
             carry = torch.stack([s.carry for s in seqs])[:, None]
             m.mtp_forward(x, carry, cache, slots, logits="none")
         nxt = [self._sample_rows(s, out.logits[i]) for i, s in enumerate(seqs)]
         nxt = torch.cat(nxt).tolist()
-        dt = time.perf_counter() - t0
+        dt = self.opt.clock() - t0
         for i, (s, dec) in enumerate(group):
             s.n_past += 1
             if self.uses_mtp:
+                if self.opt.lazy_mtp_sync:
+                    s.mtp_queue.append(s.pending)
+                    s.mtp_queue_hidden.append(s.carry)
+                    if len(s.mtp_queue) >= MTP_QUEUE_MAX:
+                        t1 = self.opt.clock()
+                        self._flush_mtp(s)
+                        s.decode_s += self.opt.clock() - t1
                 s.carry = h[i, 0].clone()
             s.pending = nxt[i]
             s.checker.push(nxt[i])
@@ -239,7 +263,9 @@ class SpecDecoder:
         m, cache, opt = self.model, self.cache, self.opt
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
-        t0 = time.perf_counter()
+        t0 = self.opt.clock()
+        for s in seqs:
+            self._flush_mtp(s)
         s0 = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=m.device)
         P = [s.n_past for s in seqs]
         # draft chain: device argmax, no host sync per draft token (spec §2)
@@ -255,7 +281,7 @@ class SpecDecoder:
         d = torch.cat(drafts, dim=1)              # [B, k]
         if opt.draft_hook is not None:
             d = torch.stack([opt.draft_hook(s.slot, p, d[i]) for i, (s, p) in enumerate(zip(seqs, P, strict=True))])
-        t1 = time.perf_counter()
+        t1 = self.opt.clock()
         snaps = [cache.snapshot_gdn(s.slot) for s in seqs] if opt.rollback == "redecode" else None
         rows = torch.cat([s0, d], dim=1)          # [B, k+1] at positions P..P+k
         out = m.forward(rows, cache, slots, logits="all", chunk=opt.delta_chunk, gdn_steps=opt.rollback == "per_step")
@@ -272,7 +298,7 @@ class SpecDecoder:
                 target, a = y[:, 0], a[0]
             packed.append(torch.cat([a.reshape(1), target]))
         host = torch.stack(packed).tolist()
-        t2 = time.perf_counter()
+        t2 = self.opt.clock()
         commits = []
         for i, s in enumerate(seqs):
             a, target = host[i][0], host[i][1:]
@@ -311,12 +337,21 @@ class SpecDecoder:
                 s.carry = h[i, keep].clone()
             s.n_past = P[i] + keep + 1
             s.pending = ids[n_emit - 1]
-        t3 = time.perf_counter()
+        t3 = self.opt.clock()
         timing = RoundTiming(t1 - t0, t2 - t1, t3 - t2)
         for i, (s, dec) in enumerate(group):
             a, keep, n_emit, _ = commits[i]
             s.decode_s += timing.round_s
             yield self._event(s, dec, k, a, n_emit, timing, how[i])
+
+    def _flush_mtp(self, s: _Seq) -> None:
+        """Write the queued plain-step entries E(q) = (x_q, h(q-1)) in one MTP pass without the head."""
+        if not s.mtp_queue:
+            return
+        x = torch.tensor([s.mtp_queue], dtype=torch.long, device=self.model.device)
+        self.model.mtp_forward(x, torch.stack(s.mtp_queue_hidden)[None], self.cache, [s.slot], logits="none")
+        s.mtp_queue.clear()
+        s.mtp_queue_hidden.clear()
 
     def _event(self, s: _Seq, dec: Decision, k: int, a: int, emitted: int, timing: RoundTiming, how: str,
                plain_s: float | None = None) -> RoundEvent:

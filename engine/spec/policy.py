@@ -19,6 +19,7 @@ HYSTERESIS = 1.03        # change k only for >= 3 % predicted gain
 PROBE_K = 2
 PROBE_FIRST = 16
 PROBE_MAX = 256
+PROBE_BUDGET = 0.02      # a lost probe may cost at most 2 % of the plain-step time between probes
 CALIBRATION_STEPS = 3    # plain steps measured before the first round; the first is discarded
 PRIOR_VERIFY_SLOPE = 0.25  # V(n) = V(1)·(1 + c·(n-1)) until two sizes are measured
 PRIOR_DRAFT = 0.2        # D = 0.2·T_0 until measured
@@ -149,7 +150,7 @@ class AutoPolicy(DraftController):
         if self.state == CALIBRATING or k_cap <= 0:
             return Decision(0, "plain", self.baseline_tps)
         if self.off:
-            if self.plain_since_off >= self.probe_every:
+            if self.plain_since_off >= max(self.probe_every, self._probe_floor()):
                 self._probing = True
                 k = min(PROBE_K, k_cap, self.k_max)
                 return Decision(k, "probe", self.rate(k))
@@ -165,6 +166,14 @@ class AutoPolicy(DraftController):
         self.k_current = cur
         k = min(cur, k_cap)
         return Decision(k, "round", self.rate(k))
+
+    def _probe_floor(self) -> int:
+        """Plain steps between probes so that the predicted loss of a lost probe (its time minus the
+        time plain steps take for the tokens it yields) stays within PROBE_BUDGET of the decode time.
+        spec §4.2's 16-doubling schedule applies above this floor."""
+        k = min(PROBE_K, self.k_max)
+        loss = self.round_cost(k) / self.round_cost(0) - self.expected_tokens(k)
+        return min(PROBE_MAX, max(0, int(loss / PROBE_BUDGET)))
 
     def observe_plain(self, step_s: float) -> None:
         if step_s <= 0:

@@ -269,3 +269,49 @@ def test_mtp_hidden_switch_changes_drafts_not_tokens():
     a, b = d_post.seqs[0].stats, d_pre.seqs[0].stats
     print(f"acceptance post-norm {a.accepted_per_position} pre-norm {b.accepted_per_position}")
     assert a.drafted > 0 and b.drafted > 0
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_mtp_cache_matches_rewarm_across_plain_steps_and_rounds(lazy):
+    """§1.5 with plain steps interleaved (adaptive: 4 baseline steps; auto after it turns off; the
+    budget cap at the end), a prompt prefilled in 5-token pieces, acceptance patterns 0 / 1 / k / random."""
+    import random
+
+    model, ref = get_model(MODELS["dense"][0]), get_ref(MODELS["dense"][1])
+    prompt = ref["prompt_33"].tolist()
+    greedy = _run(model, [prompt], "off", 1, n=90)[0][0]
+    rng = random.Random(11)
+    for mode, k in (("adaptive", 3), ("auto", 8), ("on", 1)):
+        def hook(slot, p, drafts):
+            g0 = p - len(prompt) + 1
+            want = torch.tensor(greedy[g0:g0 + len(drafts)], dtype=torch.long)
+            j = rng.choice([0, 1, len(drafts), rng.randrange(len(drafts) + 1)])
+            if j < len(drafts):
+                want[j] = (want[j] + 1) % model.cfg.n_vocab
+            return want
+
+        dec = SpecDecoder(model, SpecOptions(mode=mode, n_draft=k, prefill_chunk=5, draft_hook=hook,
+                                             lazy_mtp_sync=lazy))
+        kinds = set()
+        checks = 0
+        for ev in dec.stream([prompt], StopRule(max_tokens=90)):
+            kinds.add(ev.kind)
+            seq = dec.seqs[0]
+            if ev.k == 0 and (lazy or seq.done):
+                continue   # the lazy queue is written before the next draft / at the end
+            n = seq.n_past
+            committed = prompt + seq.checker.tokens[:n - len(prompt)]
+            assert dec.cache.mtp_lengths[0] == n, (mode, n)
+            mk, mv, carry = _rewarm(model, committed, "post-norm")
+            blk = model.cfg.nextn_blocks[0]
+            got = max(_rel(dec.cache.mtp_k[blk][0, :n], mk), _rel(dec.cache.mtp_v[blk][0, :n], mv),
+                      _rel(seq.carry, carry))
+            assert got <= 1e-4, (mode, n, got)
+            checks += 1
+        seq = dec.seqs[0]
+        assert seq.checker.tokens == greedy
+        n = seq.n_past
+        assert dec.cache.mtp_lengths[0] == dec.cache.lengths[0] == n and not seq.mtp_queue
+        mk, _, _ = _rewarm(model, prompt + seq.checker.tokens[:n - len(prompt)], "post-norm")
+        assert _rel(dec.cache.mtp_k[model.cfg.nextn_blocks[0]][0, :n], mk) <= 1e-4
+        assert checks >= 2 and "round" in kinds and ("plain" in kinds or mode == "on"), (mode, kinds)

@@ -1,0 +1,134 @@
+"""Side-by-side decode speed of MTP configurations in one process (`mtpchat bench`).
+
+Every configuration runs on the same prompts, interleaved (A B C A B C ..., the order rotated per
+prompt) so machine drift hits all of them alike; figures are medians over prompts and repeats.
+Optionally every draft is replaced by a wrong token, which measures the pure overhead of speculation.
+Returns plain dicts; never prints.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.spec.decode import SpecDecoder, SpecOptions
+from engine.spec.events import SpecStats
+from engine.spec.stops import StopRule
+
+# wall: perf_counter; cpu: this thread's CPU time (stable on a loaded machine when torch runs one thread)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    mode: str
+    k: int
+
+    @property
+    def name(self) -> str:
+        return "off" if self.mode == "off" else f"{self.mode}/k={self.k}"
+
+
+def configurations(modes: Sequence[str], drafts: Sequence[int]) -> list[BenchConfig]:
+    out = [BenchConfig("off", 0)] if "off" in modes else []
+    out += [BenchConfig(m, k) for m in modes if m != "off" for k in drafts]
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchConfig], *, max_tokens: int,
+              repeats: int = 1, wrong_drafts: bool = False, hidden: str = "post-norm",
+              eos_ids: frozenset[int] = frozenset(), progress: Callable[[int, int], None] | None = None,
+              clock: str = "wall") -> dict:
+    n_vocab = model.cfg.n_vocab
+
+    def wrong(slot, p, drafts):
+        return (drafts + 1) % n_vocab
+
+    per: dict[str, dict] = {c.name: {"tps": [], "stats": SpecStats(), "plain_s": [], "verify_s": {},
+                                     "draft_s": [], "post_s": [], "cache_bytes": 0, "cuda_peak": 0}
+                            for c in configs}
+    total, done = repeats * len(prompts) * len(configs), 0
+    cuda = model.device.type == "cuda"
+    for rep in range(repeats):
+        for i, prompt in enumerate(prompts):
+            shift = (rep * len(prompts) + i) % len(configs)
+            for cfg in list(configs[shift:]) + list(configs[:shift]):
+                acc = per[cfg.name]
+                opt = SpecOptions(mode=cfg.mode, n_draft=max(cfg.k, 1), hidden=hidden,
+                                  draft_hook=wrong if wrong_drafts and cfg.mode != "off" else None,
+                                  clock=CLOCKS[clock])
+                dec = SpecDecoder(model, opt)
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                for ev in dec.stream([prompt], StopRule(max_tokens=max_tokens, eos_ids=eos_ids)):
+                    if ev.k == 0:
+                        acc["plain_s"].append(ev.round_s)
+                    else:
+                        acc["verify_s"].setdefault(ev.k + 1, []).append(ev.verify_s)
+                        acc["draft_s"].append(ev.draft_s / ev.k)
+                        acc["post_s"].append(ev.rollback_s)
+                res = dec.results()[0]
+                if cuda:
+                    acc["cuda_peak"] = max(acc["cuda_peak"], torch.cuda.max_memory_allocated())
+                acc["tps"].append(res.decode_tokens_per_second)
+                acc["cache_bytes"] = max(acc["cache_bytes"], dec.cache.nbytes())
+                st = acc["stats"]
+                for f in ("rounds", "plain_steps", "drafted", "accepted"):
+                    setattr(st, f, getattr(st, f) + getattr(res.stats, f))
+                for j, (d, a) in enumerate(zip(res.stats.drafts_per_pos, res.stats.accepted_per_pos, strict=True)):
+                    while len(st.drafts_per_pos) <= j:
+                        st.drafts_per_pos.append(0)
+                        st.accepted_per_pos.append(0)
+                    st.drafts_per_pos[j] += d
+                    st.accepted_per_pos[j] += a
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+    off_tps = _median(per["off"]["tps"]) if "off" in per else None
+    off_step = _median(per["off"]["plain_s"]) if "off" in per else None
+    rows = []
+    for c in configs:
+        acc = per[c.name]
+        tps = _median(acc["tps"])
+        st = acc["stats"]
+        verify = {n: _median(v) for n, v in sorted(acc["verify_s"].items())}
+        draft = _median(acc["draft_s"])
+        rows.append({
+            "config": c.name, "mode": c.mode, "k": c.k,
+            "decode_tps_median": tps,
+            "ratio_to_off": tps / off_tps if tps and off_tps else None,
+            "accepted_per_position": st.accepted_per_position,
+            "accept_rate": st.accept_rate,
+            "mean_accepted_length": st.mean_accepted_length,
+            "rounds": st.rounds, "plain_steps": st.plain_steps,
+            "plain_step_ms": _ms(_median(acc["plain_s"])),
+            "verify_ms": {str(n): _ms(v) for n, v in verify.items()},
+            "verify_over_plain_step": {str(n): v / off_step for n, v in verify.items()} if off_step else {},
+            "draft_step_ms": _ms(draft),
+            "draft_over_plain_step": draft / off_step if draft and off_step else None,
+            "post_ms": _ms(_median(acc["post_s"])),
+            "cache_mib": acc["cache_bytes"] / 2**20,
+            "peak_cuda_mib": acc["cuda_peak"] / 2**20 if cuda else None,
+            "runs": len(acc["tps"]),
+        })
+    return {
+        "configs": rows,
+        "prompts": len(prompts), "repeats": repeats, "max_tokens": max_tokens,
+        "wrong_drafts": wrong_drafts, "hidden": hidden, "clock": clock,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "threads": torch.get_num_threads(), "device": str(model.device), "dtype": str(model.dtype).split(".")[-1],
+    }
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1e3
