@@ -112,7 +112,7 @@ def run_speed(model, settings: SpeedSettings = SpeedSettings(), profile: bool = 
     with torch.inference_mode():
         cache = ModelCache(cfg, 1, n_ctx, mtp=cfg.has_mtp)
         # warm-up: compiles every kernel the timed runs use (prefill, decode, verify rows, MTP)
-        out = model.forward(prompt[:, :8], cache, logits="last")
+        out = model.forward(prompt, cache, logits="last")
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         for k in (0, *s.verify_k):
             rows = tok.repeat(1, k + 1)

@@ -203,6 +203,19 @@ def check_fits(shape_name: str, type_name: str, headroom: float = 1.25) -> int:
 
 # ---------------------------------------------------------------------------------------------
 
+def _std(role: str, k: int) -> float:
+    return 0.02 if role == "embd" else 0.5 / math.sqrt(k)
+
+
+def _random_q8_0(out: np.ndarray, k: int, std: float, rng: np.random.Generator) -> None:
+    """Fill `out` [n, k/32*34] with random Q8_0 blocks drawn directly (uniform quant bytes, one f16
+    scale per block giving about `std`): the same kind of bytes as quantizing noise, much faster."""
+    blocks = out.reshape(out.shape[0], k // 32, 34)
+    blocks[..., 2:] = rng.integers(0, 256, size=(out.shape[0], k // 32, 32), dtype=np.uint8)
+    d = (std * math.sqrt(3) / 128) * rng.uniform(0.75, 1.25, size=(out.shape[0], k // 32, 1))
+    blocks[..., :2] = d.astype(np.float16).view(np.uint8)
+
+
 def _values(role: str, shape: tuple[int, ...], g: torch.Generator, row0: int = 0) -> torch.Tensor:
     """Sane random float32 values for one tensor (or a slice of rows of it)."""
     if role == "norm":
@@ -215,10 +228,8 @@ def _values(role: str, shape: tuple[int, ...], g: torch.Generator, row0: int = 0
         return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
     if role == "vector":
         return 0.02 * torch.randn(shape, generator=g)
-    if role == "embd":
-        return 0.02 * torch.randn(shape, generator=g)
     # matrices, router and head: keep activations O(1) through the residual stream
-    return torch.randn(shape, generator=g) * (0.5 / math.sqrt(shape[-1]))
+    return torch.randn(shape, generator=g) * _std(role, shape[-1])
 
 
 def _metadata(s: Shape, shape_name: str, type_name: str) -> dict[str, Any]:
@@ -265,6 +276,7 @@ def build_synthetic(spec: str, seed: int = 0, check_memory: bool = True) -> GGUF
         check_fits(shape_name, type_name)
     s = SHAPES[shape_name]
     g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     tensors: dict[str, TensorInfo] = {}
     blobs: dict[str, np.ndarray] = {}
     offset = 0
@@ -275,8 +287,11 @@ def build_synthetic(spec: str, seed: int = 0, check_memory: bool = True) -> GGUF
         out_rows = out.reshape(rows, -1)
         step = max(1, (1 << 22) // k)  # pack ~4M weights at a time: bounded temporaries
         for r in range(0, rows, step):
-            vals = _values(role, (min(step, rows - r), k), g)
-            out_rows[r:r + vals.shape[0]] = pack(vals, t).numpy()
+            n = min(step, rows - r)
+            if t == T.Q8_0 and role in ("matrix", "embd", "head"):
+                _random_q8_0(out_rows[r:r + n], k, _std(role, k), rng)
+            else:
+                out_rows[r:r + n] = pack(_values(role, (n, k), g), t).numpy()
         tensors[name] = TensorInfo(name, t, shp, out.nbytes, offset)
         blobs[name] = out
         offset += (out.nbytes + 31) // 32 * 32
