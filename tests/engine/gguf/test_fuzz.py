@@ -2,7 +2,7 @@
 
 Every mutant is either rejected with ModelFileError or fully valid: it passes every check, its
 weights load, and each tensor dequantizes (and 2-D ones multiply) without an exception; the first
-`FORWARD_SAMPLE` valid mutants (all of them in the slow run) also build the model and run a 4-token
+`FORWARD_SAMPLE` valid mutants (500 in the slow run) also build the model and run a 4-token
 CPU forward (NaN outputs allowed). The per-case time bound is on loading and dequantizing.
 """
 
@@ -153,5 +153,5 @@ def test_a5_random_mutations_are_rejected_or_fully_valid(seeds, tmp_path):
 @pytest.mark.slow
 def test_a5_many_mutations(seeds, tmp_path, monkeypatch):
     monkeypatch.setenv("MTPCHAT_FUZZ_CASES", "100000")
-    monkeypatch.setenv("MTPCHAT_FUZZ_FORWARDS", "100000")
+    monkeypatch.setenv("MTPCHAT_FUZZ_FORWARDS", "500")
     test_a5_random_mutations_are_rejected_or_fully_valid(seeds, tmp_path)
