@@ -1,0 +1,57 @@
+"""`mtpchat bench`: one JSON document with every configuration side by side; one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.app.test_cmd_logits_generate import MODELS, mtpchat  # noqa: F401  (fixture)
+from tests.conftest import fixture_path
+
+
+def test_bench_json_reports_every_configuration(tmp_path, mtpchat):  # noqa: F811
+    model, ref_rel, _ = (fixture_path(p) for p in MODELS["dense"])
+    ref = np.load(ref_rel)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"tokens": ref[f"prompt_{n}"].tolist()}) for n in (7, 33)) + "\n")
+    r = mtpchat("bench", "--model", str(model), "--prompts", str(prompts), "--max-tokens", "16",
+                "--mtp", "off,on,auto", "--draft", "1,2", "--threads", "1", "--clock", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    names = [c["config"] for c in doc["configs"]]
+    assert names == ["off", "on/k=1", "on/k=2", "auto/k=1", "auto/k=2"]
+    by = {c["config"]: c for c in doc["configs"]}
+    assert by["off"]["ratio_to_off"] == 1.0 and by["off"]["rounds"] == 0
+    for c in doc["configs"]:
+        assert c["runs"] == 2 and c["decode_tps_median"] > 0
+    on2 = by["on/k=2"]
+    assert on2["rounds"] > 0 and len(on2["accepted_per_position"]) == 2
+    assert 1.0 <= on2["mean_accepted_length"] <= 3.0
+    assert set(on2["verify_ms"]) >= {"3"} and on2["draft_step_ms"] > 0
+    assert doc["prompts"] == 2 and doc["clock"] == "cpu" and doc["peak_rss_mib"] > 0
+
+
+def test_bench_wrong_drafts_are_never_accepted(tmp_path, mtpchat):  # noqa: F811
+    model, ref_rel, _ = (fixture_path(p) for p in MODELS["dense"])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"tokens": np.load(ref_rel)["prompt_33"].tolist()}) + "\n")
+    r = mtpchat("bench", "--model", str(model), "--prompts", str(prompts), "--max-tokens", "12",
+                "--mtp", "on", "--draft", "3", "--threads", "1", "--wrong-drafts", "--json")
+    assert r.returncode == 0, r.stderr
+    (on,) = json.loads(r.stdout)["configs"]
+    assert on["rounds"] > 0 and on["accept_rate"] < 0.2
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--mtp", "off,sometimes"), "--mtp: 'sometimes' is not one of"),
+    (("--draft", "1,9"), "--draft: 9 is not one of"),
+    (("--draft", "x"), "--draft: expected a comma-separated list"),
+    (("--max-tokens", "1"), "--max-tokens: must be >= 2"),
+])
+def test_bench_bad_flags_exit_2_with_one_line(args, message, mtpchat):  # noqa: F811
+    r = mtpchat("bench", "--model", str(fixture_path(MODELS["dense"][0])), *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
