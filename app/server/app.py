@@ -65,6 +65,20 @@ class ServerState:
 
 # ---------------------------------------------------------------------------------------------- app
 
+# Every route the app serves: (method, path, handler). The guard denies all but GET /health without the
+# key; tests enumerate this table (reliability-matrix E4).
+ROUTES = (
+    ("GET", "/health", "health"),
+    ("GET", "/v1/models", "models"),
+    ("GET", "/models", "models"),
+    ("GET", "/slots", "slots"),
+    ("GET", "/metrics", "metrics"),
+    ("POST", "/v1/chat/completions", "chat_completions"),
+    ("POST", "/chat/completions", "chat_completions"),
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/completions", "completions"),
+)
+
 def build_app(state: ServerState) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -96,17 +110,9 @@ def build_app(state: ServerState) -> Starlette:
         req = parse_completion(body, state.limits)
         return await _generate(state, request, req)
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/models", models, methods=["GET"]),
-        Route("/slots", slots, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/completions", completions, methods=["POST"]),
-    ]
+    handlers = {"health": health, "models": models, "slots": slots, "metrics": metrics,
+                "chat_completions": chat_completions, "completions": completions}
+    routes = [Route(path, handlers[name], methods=[method]) for method, path, name in ROUTES]
 
     async def api_error(request: Request, exc: ApiError) -> Response:
         return exc.response()
@@ -202,14 +208,19 @@ async def _generate(state: ServerState, request: Request, req: ApiRequest) -> Re
 
 
 async def _next_event(bridge: EventBridge, request: Request, handle):
-    """Next event, or None once the client has disconnected (the request is then cancelled)."""
+    """Next event, or None once the client has disconnected (the request is then cancelled). The
+    connection is checked at least every DISCONNECT_POLL_S, also while events keep arriving."""
+    now = time.monotonic()
+    last = request.scope.setdefault("mtpchat.disconnect_checked", now)
     while True:
+        if time.monotonic() - last >= DISCONNECT_POLL_S:
+            last = request.scope["mtpchat.disconnect_checked"] = time.monotonic()
+            if await request.is_disconnected():
+                handle.cancel()
+                return None
         ev = await bridge.get(DISCONNECT_POLL_S)
         if ev is not None:
             return ev
-        if await request.is_disconnected():
-            handle.cancel()
-            return None
 
 
 def _timings_and_usage(fin: Finished) -> tuple[dict, dict]:

@@ -87,7 +87,7 @@ class GuardMiddleware:
                 return await self._preflight(send, extra)
             if self.api_key is not None and (method, path) not in PUBLIC_ROUTES:
                 self._check_key(headers.get("authorization", []))
-            if method in ("POST", "PUT", "PATCH"):
+            if method == "POST":
                 self._check_post(headers)
         except ApiError as exc:
             hdrs = dict((k.decode(), v.decode()) for k, v in extra)

@@ -162,4 +162,12 @@ def test_e9_disconnect_frees_slot_within_1s(server, phase):
                         next(lines)
             worst = max(worst, wait_idle(c, slot, 1.0))
             assert _greedy(c, probe, slot) == reference
-    print(f"METRIC E9 phase={phase} trials={trials} max_free_s={worst:.2f} leaked_slots=0 post_mismatch=0")
+        # not streaming: the client gives up (read timeout) and closes the connection
+        body = {"prompt": [rng.randrange(3399) for _ in range(3000 if phase == "prefill" else 8)],
+                "max_tokens": 1000, "temperature": 0, "id_slot": 1, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=0.3)) as sc:
+            with pytest.raises(httpx.ReadTimeout):
+                sc.post("/v1/completions", json=body)
+        worst = max(worst, wait_idle(c, 1, 1.0))
+        assert _greedy(c, probe, 1) == reference
+    print(f"METRIC E9 phase={phase} trials={trials + 1} max_free_s={worst:.2f} leaked_slots=0 post_mismatch=0")

@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from app.server.app import ROUTES as APP_ROUTES
 from tests.conftest import REPO
 
 KEY = "sk-test-0123456789abcdef0123456789abcdef"
@@ -112,13 +113,10 @@ def test_e3_no_cors_reflection(server):
     print(f"METRIC E3 origins={len(ORIGINS) + 1} reflected=0 generations_started=0")
 
 
-ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/models"), ("GET", "/slots"), ("GET", "/metrics"),
-          ("POST", "/v1/chat/completions"), ("POST", "/chat/completions"), ("POST", "/v1/completions"),
-          ("POST", "/completions"), ("GET", "/no/such/route"), ("POST", "/health")]
+ROUTES = [(m, p) for m, p, _ in APP_ROUTES] + [("GET", "/no/such/route"), ("POST", "/health"), ("PUT", "/slots")]
 
 
 def test_e4_api_key_on_every_route_but_health(keyed):
-    from app.server.app import build_app  # noqa: F401  (the route list below must cover the app's routes)
     unauth_ok = []
     body = {"prompt": "hi", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     variants = {"none": {}, "wrong": {"Authorization": "Bearer sk-wrong"},
@@ -137,7 +135,8 @@ def test_e4_api_key_on_every_route_but_health(keyed):
                     assert r.json()["error"]["type"] == "authentication_error"
             good = c.request(method, path, json=body if method == "POST" else None,
                              headers={"Authorization": f"Bearer {KEY}"})
-            expect = 404 if path == "/no/such/route" else 405 if (method, path) == ("POST", "/health") else 200
+            expect = 404 if path == "/no/such/route" else 405 if (method, path) in (("POST", "/health"),
+                                                                                    ("PUT", "/slots")) else 200
             assert good.status_code == expect, (method, path, good.status_code, good.text[:200])
     assert sorted({(m, p) for m, p, _ in unauth_ok}) == [("GET", "/health")]
     print(f"METRIC E4 routes={len(ROUTES)} unauth_ok=1(/health) bypasses=0")
