@@ -315,3 +315,40 @@ def test_mtp_cache_matches_rewarm_across_plain_steps_and_rounds(lazy):
         mk, _, _ = _rewarm(model, prompt + seq.checker.tokens[:n - len(prompt)], "post-norm")
         assert _rel(dec.cache.mtp_k[model.cfg.nextn_blocks[0]][0, :n], mk) <= 1e-4
         assert checks >= 2 and "round" in kinds and ("plain" in kinds or mode == "on"), (mode, kinds)
+
+
+def test_rys_copies_each_roll_back_their_own_state(tmp_path):
+    """A RYS file (blocks 2-3 repeated): greedy tokens equal with MTP on, and after forced rejections
+    every GDN copy's state equals plain decoding (spec §3.5: each copy rolls back its own state)."""
+    from engine.model import load_model
+    from tests.conftest import fixture_path
+    from tests.engine.model.test_rys import ORDER, write_rys
+
+    path = tmp_path / "rys.gguf"
+    write_rys(str(fixture_path(MODELS["dense"][0])), path, ORDER)
+    model = load_model(path)
+    assert len(model.cfg.gdn_layers) == 4
+    prompt = get_ref(MODELS["dense"][1])["prompt_33"].tolist()
+    greedy = _run(model, [prompt], "off", 1, n=24)[0][0]
+    pattern = iter([0, 2, 1, 0, 2, 1, 0, 1] * 4)
+
+    def hook(slot, p, drafts):
+        g0 = p - len(prompt) + 1
+        want = torch.tensor(greedy[g0:g0 + len(drafts)], dtype=torch.long)
+        j = next(pattern)
+        if j < len(drafts):
+            want[j] = (want[j] + 1) % model.cfg.n_vocab
+        return want
+
+    dec = SpecDecoder(model, SpecOptions(mode="on", n_draft=2, draft_hook=hook))
+    plain = _plain_states(model, prompt, greedy, set(range(len(prompt), len(prompt) + 25)))
+    rounds = 0
+    for ev in dec.stream([prompt], StopRule(max_tokens=24)):
+        if ev.k == 0:
+            continue
+        rounds += 1
+        n = dec.seqs[0].n_past
+        for b in model.cfg.gdn_layers:
+            assert _rel(dec.cache.ssm[b][0], plain[n]["ssm"][b]) <= 1e-5, (b, n)
+            assert _rel(dec.cache.conv[b][0], plain[n]["conv"][b]) <= 1e-5, (b, n)
+    assert dec.results()[0].tokens == greedy and rounds >= 5
