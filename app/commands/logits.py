@@ -6,6 +6,7 @@ row i pairs token i with the main model's post-norm hidden row i-1, zeros for ro
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from engine.errors import InputError
@@ -31,7 +32,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weight dtype: float32 (default on cpu) or bfloat16 (default on cuda)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: the cores this process may use)")
+    p.add_argument("--weights", choices=("dense", "packed"), default="dense",
+                   help="dense: dequantized float matrices (reference, default); packed: GGUF blocks kept "
+                        "compact, multiplied by fused kernels (CPU; see mtpchat bench --synthetic)")
 
 
 def default_model() -> Path:
@@ -52,13 +57,13 @@ def load_from_args(args: argparse.Namespace):
 
     if args.threads < 0:
         raise InputError(f"--threads: must be >= 0, got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise InputError("--device: cuda is not available on this machine")
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     f = open_gguf(args.model or default_model())
-    return f, load_model(f, device=args.device, dtype=getattr(torch, dtype_name))
+    packed = getattr(args, "weights", "dense") == "packed"
+    return f, load_model(f, device=args.device, dtype=getattr(torch, dtype_name), packed=packed)
 
 
 def parse_token_ids(text: str, n_vocab: int, what: str = "--tokens") -> list[int]:

@@ -52,7 +52,8 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (default: the cores this process may use)")
     p.add_argument("--queue-timeout", type=float, default=600.0, metavar="S",
                    help="seconds a request may wait for a slot before a 503 (default 600)")
     p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
@@ -105,8 +106,9 @@ def build_state(args: argparse.Namespace):
         raise InputError(f"--port: {args.port} not in 0..65535")
     if args.ctx_checkpoints < 0 or args.prefill_chunk < 1 or args.ctx < 0:
         raise InputError("--ctx, --ctx-checkpoints, --prefill-chunk: must not be negative")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.threads < 0:
+        raise InputError(f"--threads: must be >= 0, got {args.threads}")
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     path = args.model or _default_model()
     f = open_gguf(path)
     tokenizer = Tokenizer.from_gguf(f)
