@@ -117,7 +117,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: int, lr: float,
-          seed: int, threads: int, log_every: int = 10) -> dict:
+          seed: int, threads: int, log_every: int = 10, stop_after: int | None = None) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,7 @@ def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: i
     batches: list[list[int]] = []
     history = []
     t_train = time.monotonic()
-    for step in range(steps):
+    for step in range(steps if stop_after is None else min(steps, stop_after)):
         if not batches:
             batches = make_batches(samples, has_tools, max_tokens, max_len, rng)
         idx = batches.pop()
@@ -169,6 +169,9 @@ def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: i
             torch.save({"state_dict": model.state_dict(), "dims": dims.__dict__, "seed": seed, "steps": step + 1},
                        out_dir / "checkpoint-partial.pt")
     train_s = time.monotonic() - t_train
+    if stop_after is not None:    # a reproducibility probe: the first steps of the same schedule
+        (out_dir / "probe_log.json").write_text(json.dumps({"stop_after": stop_after, "history": history}))
+        return {"steps": steps, "stop_after": stop_after, "train_s": round(train_s, 1), "history": history}
     torch.save({"state_dict": model.state_dict(), "dims": dims.__dict__, "seed": seed, "steps": steps},
                out_dir / "checkpoint.pt")
     summary = {"steps": steps, "n_conv": n_conv, "max_tokens": max_tokens, "lr": lr, "seed": seed,
@@ -196,10 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="run only the first N steps of the schedule (reproducibility probe; no checkpoint)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     s = train(a.out, steps=a.steps, n_conv=a.n_conv, max_tokens=a.max_tokens, max_len=a.max_len, lr=a.lr,
-              seed=a.seed, threads=a.threads)
+              seed=a.seed, threads=a.threads, stop_after=a.stop_after)
     log.info("done: %s", {k: v for k, v in s.items() if k != "history"})
     return 0
 
