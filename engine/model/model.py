@@ -287,11 +287,13 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
     packed=True (CPU, float32): Q8_0/Q4_K/BF16/F16 matrices stay compact as `PackedWeight`s that
     `matmul_weight` multiplies with the fused kernels of engine/kernels (the reference is packed=False)."""
     from engine.gguf import open_gguf
+    from engine.gguf.validate import check_model_gguf
     from engine.weights import load_weights
 
     if not hasattr(f, "tensors"):
         f = open_gguf(f)
-    cfg = ModelConfig.from_gguf(f)
+    # Every tensor's presence, shape and type is checked before any weight is read (reliability A4).
+    cfg = check_model_gguf(f, require_tokenizer=False).config
     names = set(f.tensors)
     for n in names:
         if n.endswith(_REFUSED):
