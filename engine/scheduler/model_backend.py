@@ -4,7 +4,7 @@ Each iteration (spec/mtp-speculation.md §6.1): prompt chunks for slots in prefi
 boundaries so checkpoints land there, §6.5), then one batched main pass for every slot taking a plain
 step, and one batched draft chain + verification pass per draft length k for slots taking a
 speculative round (§2, §3). MTP cache alignment follows §1.3 (entry E(p) = (x_p, h(p-1)) at p; plain
-steps keep it in sync, §5.3). Greedy acceptance at temperature 0; sample-and-compare otherwise (§3.3).
+steps keep it in sync lazily, §5.3). Greedy acceptance at temperature 0; sample-and-compare otherwise (§3.3).
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)  # what the main cache holds (== cache.lengths[slot])
     live: bool = True                                 # GDN state corresponds to `tokens`
     carry: torch.Tensor | None = None                 # MTP hidden carry h(n-1) [E], post-norm
+    # plain-step MTP entries not yet written (spec §5.3, lazy form): tokens x_q and their h(q-1)
+    mtp_queue_tokens: list[int] = field(default_factory=list)
+    mtp_queue_hidden: list[torch.Tensor] = field(default_factory=list)
     store: CheckpointStore | None = None
     run: _Run | None = None
     reuse_source: str = "none"
@@ -69,6 +72,7 @@ class ModelBackend(SlotBackend):
         self.n_vocab = self.cfg.n_vocab
         self.eog_ids = frozenset(eog_ids)
         self.prefill_chunk = prefill_chunk
+        self.mtp_queue_max = 256   # spec §5.3: flush the lazy MTP queue at this many rows
         self.delta_chunk = delta_chunk
         self.has_mtp = self.cfg.has_mtp
         self.cache = ModelCache(self.cfg, n_slots, n_ctx_slot, device=model.device,
@@ -146,9 +150,11 @@ class ModelBackend(SlotBackend):
     def finish(self, slot: int, n_kept: int) -> None:
         st = self.slots[slot]
         run = st.run
-        st.run = None
         if run is None:
             return
+        with torch.inference_mode():
+            self._flush_mtp([slot])
+        st.run = None
         want = list(run.req.prompt) + self._generated(run, st)[:n_kept]
         held = st.tokens
         if not (held == want or held == want[:-1]):
@@ -204,10 +210,12 @@ class ModelBackend(SlotBackend):
         st = self.slots[slot]
         self.cache.reset(slot)
         st.tokens, st.live, st.carry = [], True, None
+        st.mtp_queue_tokens, st.mtp_queue_hidden = [], []
 
     def _cut(self, slot: int, n: int) -> None:
         """Keep the first n tokens of KV (main and MTP); the GDN state is not touched."""
         st = self.slots[slot]
+        st.mtp_queue_tokens, st.mtp_queue_hidden = [], []   # never written: the MTP cache stays shorter
         self.cache.truncate(slot, n)
         if self.has_mtp:
             self.cache.truncate_mtp(slot, min(n, self.cache.mtp_lengths[slot]))
@@ -220,8 +228,22 @@ class ModelBackend(SlotBackend):
         st.carry = None if ck.carry is None else ck.carry.clone()
         st.live = True
 
+    def _flush_mtp(self, slots: Sequence[int]) -> None:
+        """Write the queued plain-step MTP entries E(q) = (x_q, h(q-1)) of these slots: one head-less
+        MTP pass per slot (spec §5.3 lazy form), before a draft, a checkpoint or the end of a request."""
+        for s in slots:
+            st = self.slots[s]
+            if not st.mtp_queue_tokens:
+                continue
+            x = torch.tensor([st.mtp_queue_tokens], dtype=torch.long, device=self.model.device)
+            hid = torch.stack(st.mtp_queue_hidden)[None]
+            self.model.mtp_forward(x, hid, self.cache, [s], logits="none")
+            st.mtp_queue_tokens, st.mtp_queue_hidden = [], []
+
     def _checkpoint(self, slot: int) -> None:
         st = self.slots[slot]
+        with torch.inference_mode():
+            self._flush_mtp([slot])
         n = len(st.tokens)
         if n == 0 or not st.live:
             return
@@ -292,9 +314,12 @@ class ModelBackend(SlotBackend):
         x = torch.tensor([[self.slots[s].run.pending] for s in slots], dtype=torch.long, device=dev)
         out = self.model.forward(x, self.cache, slots, logits="all", chunk=self.delta_chunk)
         sync = [i for i, s in enumerate(slots) if self.has_mtp and self.slots[s].run.uses_mtp]
-        if sync:  # spec §5.3: plain steps keep the MTP cache and carry in sync
-            carry = torch.stack([self.slots[slots[i]].carry for i in sync])[:, None]
-            self.model.mtp_forward(x[sync], carry, self.cache, [slots[i] for i in sync], logits="none")
+        for i in sync:  # spec §5.3: plain steps keep the MTP cache in sync, lazily
+            st = self.slots[slots[i]]
+            st.mtp_queue_tokens.append(st.run.pending)
+            st.mtp_queue_hidden.append(st.carry)
+            if len(st.mtp_queue_tokens) >= self.mtp_queue_max:
+                self._flush_mtp([slots[i]])
         results = {}
         for i, s in enumerate(slots):
             st = self.slots[s]
@@ -319,6 +344,7 @@ class ModelBackend(SlotBackend):
         dev = self.model.device
         B = len(slots)
         t0 = time.perf_counter()
+        self._flush_mtp(slots)
         s0 = torch.tensor([[self.slots[s].run.pending] for s in slots], dtype=torch.long, device=dev)
         P = [len(self.slots[s].tokens) for s in slots]
         hid = torch.stack([self.slots[s].carry for s in slots])[:, None]

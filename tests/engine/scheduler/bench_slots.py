@@ -103,7 +103,10 @@ def main() -> None:
             rs = results[(n, mode)]
             tps = statistics.median(r["tps"] for r in rs)
             acc = [r["accept"] for r in rs if r["accept"] is not None]
+            best = max(r["tps"] for r in rs)
+            best_base = max(r["tps"] for r in results[(n, keys[0])])
             table.append({"slots": n, "mtp": mode, "decode_tps": round(tps, 1), "ratio_vs_first": round(tps / base, 3),
+                          "best_tps": round(best, 1), "best_ratio": round(best / best_base, 3),
                           "accept_rate": round(statistics.median(acc), 3) if acc else None})
     print(json.dumps({"model": args.model, "tokens": args.tokens, "draft": args.draft, "threads": args.threads,
                       "device": args.device, "batched": not args.no_batch, "results": table}, indent=1))

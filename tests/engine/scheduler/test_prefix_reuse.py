@@ -80,3 +80,36 @@ def test_e11_prefix_pairs_match_fresh_slot(model):
         sched.close()
     assert hits >= 12
     print(f"METRIC E11 pairs={pairs} mismatches=0 reuse_hits={hits} reprocessed={reprocessed} max_abs={worst:.2e}")
+
+
+@pytest.mark.parametrize("mode", ["on", "adaptive", "auto"])
+def test_mtp_cache_matches_rewarm_after_batched_rounds(model, mode):
+    """spec §1.5 on the batched backend: after plain steps and rounds of 3 slots decoded together, each
+    slot's MTP cache holds exactly E(0..n-1) and equals a fresh re-warm over its committed tokens."""
+    from engine.model.cache import ModelCache
+    from engine.model.mtp import shift_hidden
+    rng = random.Random(5)
+    backend = ModelBackend(model, frozenset(), 3, 512)
+    sched = Scheduler(backend, CharText)
+    try:
+        hs = [sched.submit(GenerationRequest(prompt=tuple(rng.randrange(3399) for _ in range(n)), max_tokens=24,
+                                             ignore_eos=True, mtp=mode, n_draft=3, slot=i))
+              for i, n in enumerate((5, 20, 40))]
+        stats = [list(h)[-1].spec for h in hs]
+    finally:
+        sched.close()
+    assert sum(s["drafted"] for s in stats) > 0
+    nb = model.cfg.nextn_blocks[0]
+    for slot in range(3):
+        toks = backend.slots[slot].tokens
+        n = len(toks)
+        assert backend.cache.mtp_lengths[slot] == n == backend.cache.lengths[slot]
+        fresh = ModelCache(model.cfg, 1, 512, mtp=True)
+        x = torch.tensor([toks])
+        with torch.inference_mode():
+            out = model.forward(x, fresh, [0], logits="none")
+            model.mtp_forward(x, shift_hidden(out.hidden), fresh, [0], logits="none")
+        for got, ref in ((backend.cache.mtp_k[nb][slot, :n], fresh.mtp_k[nb][0, :n]),
+                         (backend.cache.mtp_v[nb][slot, :n], fresh.mtp_v[nb][0, :n])):
+            assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+        assert torch.allclose(backend.slots[slot].carry, out.hidden[0, -1], atol=1e-5, rtol=1e-4)
