@@ -97,6 +97,12 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64, all_states: boo
     return o, s
 
 
+# Calls of up to this many tokens (decode steps, MTP verification of k+1 <= 9 rows) use the per-token
+# form: fewer operations than one chunk, and the same recurrence as one-token decoding, so a verified
+# prefix leaves the state plain decoding would (spec/mtp-speculation.md §3.5, reliability-matrix F2).
+RECURRENT_MAX_T = 9
+
+
 class _Weight(nn.Module):
     def __init__(self, *shape: int, device=None):
         super().__init__()
@@ -147,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         g = self.ssm_a * F.softplus(self.ssm_alpha(a) + self.ssm_dt.bias)
         if ssm_state is None:
             ssm_state = a.new_zeros(B, hv, dk, dv, dtype=torch.float32)
-        if T == 1:
+        if T <= RECURRENT_MAX_T:
             o, s = delta_rule_recurrent(q, k, v, g, beta, ssm_state, all_states=all_states)
         else:
             o, s = delta_rule_chunked(q, k, v, g, beta, ssm_state, chunk=chunk, all_states=all_states)

@@ -3,7 +3,8 @@
 F1: greedy tokens with --mtp on/adaptive/auto equal --mtp off, for k = 1..4, 1 and 4 sequences,
 whole-prompt and 7-token prefill. F2: after rounds forced to reject at every draft position, the
 main KV length, conv and recurrent state equal plain one-token decoding of the accepted tokens (the
-verification runs the chunked delta rule: compared at 1e-5 relative, CLARIFICATIONS Issue 5), and
+verification runs the per-token delta rule, but a k+1-row matmul is not bitwise a 1-row one on this
+CPU backend: compared at 1e-5 relative, CLARIFICATIONS Issue 5; the test prints exact=), and
 the MTP cache equals a fresh re-warm (§1.5). F3: EOS, stop strings and max_tokens at every position
 inside accepted runs. F5: seeded sampling reproducible per mode.
 """
@@ -190,8 +191,14 @@ def test_f2_forced_rejection_restores_plain_state(name, rollback):
                     max_rel = max(max_rel, worst)
                     state_equal += worst <= 1e-5
                     assert worst <= 1e-5, (name, rollback, k, n, worst)
+    # backend self-check (reliability-matrix F2): is a 1-row matmul bitwise equal to a row of a k+1-row one?
+    w = model.blk[0].mixer.attn_qkv.weight
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(0))
+    exact = all(torch.equal(torch.nn.functional.linear(x[i:i + 1], w)[0], torch.nn.functional.linear(x, w)[i])
+                for i in range(5))
     print(f"METRIC F2 model={name} rollback={rollback} cases={cases} state_equal={state_equal} "
-          f"max_rel_diff={max_rel:.2g} (chunked verification, 1e-5 relative)")
+          f"max_rel_diff={max_rel:.2g} exact={str(exact).lower()} (per-token GDN update in verification; "
+          f"bar: 1e-5 relative)")
     assert cases >= 3 * 4 * 2
 
 
