@@ -181,7 +181,7 @@ class SpecDecoder:
                 for k in sorted(groups):
                     group = groups[k]
                     yield from (self._plain(group) if k == 0 else self._round(group, k))
-                for s, _ in groups.get(0, ()):
+                for s in active:
                     if s.done and s.mtp_queue:
                         # the request ended: leave the MTP cache describing every committed token
                         t0 = self.opt.clock()
@@ -264,14 +264,28 @@ class SpecDecoder:
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
         t0 = self.opt.clock()
-        for s in seqs:
-            self._flush_mtp(s)
         s0 = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=m.device)
         P = [s.n_past for s in seqs]
-        # draft chain: device argmax, no host sync per draft token (spec §2)
-        tok, hid = s0, torch.stack([s.carry for s in seqs])[:, None]
-        drafts = []
-        for _ in range(k):
+        # draft step 1 also writes the queued entries (plain steps, the last round's accepted drafts) in
+        # the same MTP pass: rows [queue..., s0] with hidden [queue_hidden..., carry], head on the last
+        # row only. Then steps 2..k; device argmax, no host sync per draft token (spec §2)
+        tok_rows, hid_rows = [None] * len(seqs), [None] * len(seqs)
+        by_len: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            by_len.setdefault(len(s.mtp_queue), []).append(i)
+        for idx in by_len.values():
+            x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] for i in idx], dtype=torch.long,
+                             device=m.device)
+            hin = torch.stack([torch.stack(seqs[i].mtp_queue_hidden + [seqs[i].carry]) for i in idx])
+            mo = m.mtp_forward(x, hin, cache, [slots[i] for i in idx], logits="last")
+            first = mo.logits[:, -1].argmax(dim=-1, keepdim=True)
+            for j, i in enumerate(idx):
+                tok_rows[i], hid_rows[i] = first[j], mo.hidden[j, -1:]
+                seqs[i].mtp_queue.clear()
+                seqs[i].mtp_queue_hidden.clear()
+        tok, hid = torch.stack(tok_rows), torch.stack(hid_rows)     # [B, 1], [B, 1, E]
+        drafts = [tok]
+        for _ in range(k - 1):
             mo = m.mtp_forward(tok, hid, cache, slots, logits="last")
             tok = mo.logits[:, -1].argmax(dim=-1, keepdim=True)
             hid = mo.hidden
@@ -331,8 +345,12 @@ class SpecDecoder:
         for i, s in enumerate(seqs):
             a, keep, n_emit, ids = commits[i]
             if self.uses_mtp:
-                # commit E(P+j) = (d_j, h(P+j-1)) for j = 1..keep (spec §1.4), carry = h(P+keep)
-                if keep > 0:
+                # commit E(P+j) = (d_j, h(P+j-1)) for j = 1..keep (spec §1.4), carry = h(P+keep); lazily,
+                # the entries ride along with the next round's draft step 1
+                if keep > 0 and opt.lazy_mtp_sync:
+                    s.mtp_queue.extend(ids[:keep])
+                    s.mtp_queue_hidden.extend(h[i, :keep])
+                elif keep > 0:
                     m.mtp_forward(d[i:i + 1, :keep], h[i:i + 1, :keep], cache, [s.slot], logits="none")
                 s.carry = h[i, keep].clone()
             s.n_past = P[i] + keep + 1
@@ -343,6 +361,12 @@ class SpecDecoder:
             a, keep, n_emit, _ = commits[i]
             s.decode_s += timing.round_s
             yield self._event(s, dec, k, a, n_emit, timing, how[i])
+
+    def sync_mtp(self) -> None:
+        """Write every queued MTP entry now (the cache then holds E(0..n-1) for each sequence)."""
+        with torch.inference_mode():
+            for s in self.seqs:
+                self._flush_mtp(s)
 
     def _flush_mtp(self, s: _Seq) -> None:
         """Write the queued plain-step entries E(q) = (x_q, h(q-1)) in one MTP pass without the head."""
