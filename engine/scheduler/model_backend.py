@@ -320,6 +320,9 @@ class ModelBackend(SlotBackend):
             st.mtp_queue_hidden.append(st.carry)
             if len(st.mtp_queue_tokens) >= self.mtp_queue_max:
                 self._flush_mtp([slots[i]])
+        greedy = None
+        if all(self.slots[s].run.sampler.plain_greedy for s in slots):
+            greedy = out.logits[:, 0].argmax(dim=-1).tolist()   # one host read for the batch
         results = {}
         for i, s in enumerate(slots):
             st = self.slots[s]
@@ -327,7 +330,7 @@ class ModelBackend(SlotBackend):
             st.tokens.append(run.pending)
             if i in sync:
                 st.carry = out.hidden[i, 0].clone()
-            tok = run.sampler.sample_rows(out.logits[i, :1])[0]
+            tok = greedy[i] if greedy is not None else run.sampler.sample_rows(out.logits[i, :1])[0]
             res = SlotStep()
             self._emit(run, res, [tok])
             results[s] = res
@@ -361,29 +364,37 @@ class ModelBackend(SlotBackend):
         t1 = time.perf_counter()
         rows = torch.cat([s0, d], dim=1)                               # [B, k+1]
         out = self.model.forward(rows, self.cache, slots, logits="all", chunk=self.delta_chunk, gdn_steps=True)
-        d_host = d.tolist()
-        emitted: list[list[int]] = []
-        n_acc: list[int] = []
-        for i, s in enumerate(slots):
-            ids = self.slots[s].run.sampler.verify(out.logits[i], d_host[i], accepted_prefix)
-            n_acc.append(len(ids) - 1)
-            emitted.append(ids)
+        s0_host = [self.slots[s].run.pending for s in slots]
+        samplers = [self.slots[s].run.sampler for s in slots]
+        if all(sm.plain_greedy for sm in samplers):
+            # spec §3.2 for every slot at once: one argmax and one host read for the whole batch
+            both = torch.cat([d, out.logits.argmax(dim=-1)], dim=1).tolist()   # [B, k + (k+1)]
+            d_host, targets = [r[:k] for r in both], [r[k:] for r in both]
+            emitted = []
+            for dr, tg in zip(d_host, targets, strict=True):
+                a = 0
+                while a < k and dr[a] == tg[a]:
+                    a += 1
+                emitted.append(dr[:a] + [tg[a]])
+        else:
+            d_host = d.tolist()
+            emitted = [sm.verify(out.logits[i], d_host[i], accepted_prefix) for i, sm in enumerate(samplers)]
+        n_acc = [len(ids) - 1 for ids in emitted]
         t2 = time.perf_counter()
         self.cache.rollback(out.gdn_steps, [a + 1 for a in n_acc])
-        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a, one MTP pass per distinct a
-        by_a: dict[int, list[int]] = {}
-        for i, a in enumerate(n_acc):
-            if a > 0:
-                by_a.setdefault(a, []).append(i)
-        for a, rows_i in by_a.items():
-            self.model.mtp_forward(d[rows_i, :a], out.hidden[rows_i, :a], self.cache, [slots[i] for i in rows_i],
-                                   logits="none")
+        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a. One MTP pass over max(a) rows for all
+        # slots; rows past a slot's own a are scratch, cut off right after (KV is cut by length)
+        a_max = max(n_acc)
+        if a_max > 0:
+            self.model.mtp_forward(d[:, :a_max], out.hidden[:, :a_max], self.cache, slots, logits="none")
+            for s, p, a in zip(slots, P, n_acc, strict=True):
+                self.cache.truncate_mtp(s, p + 1 + a)
         results = {}
         for i, s in enumerate(slots):
             st = self.slots[s]
             run = st.run
             a = n_acc[i]
-            st.tokens.extend(rows[i, : a + 1].tolist())
+            st.tokens.extend([s0_host[i], *d_host[i][:a]])
             st.carry = out.hidden[i, a].clone()
             res = SlotStep()
             self._emit(run, res, emitted[i])

@@ -30,6 +30,11 @@ class RequestSampler:
         self._plain = None if self.greedy else Sampler(
             SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed), device)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to adjust: the caller may take the argmax of a whole batch itself."""
+        return self.greedy and self.bias is None
+
     def _adjust(self, logits: torch.Tensor) -> torch.Tensor:
         """[n, V] -> [n, V]: logit bias, then min-p (keep p >= min_p * p_max at this temperature,
         i.e. logit >= max + T * ln(min_p)), which the plain sampler does not do itself."""
