@@ -113,3 +113,36 @@ def test_mtp_cache_matches_rewarm_after_batched_rounds(model, mode):
                          (backend.cache.mtp_v[nb][slot, :n], fresh.mtp_v[nb][0, :n])):
             assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
         assert torch.allclose(backend.slots[slot].carry, out.hidden[0, -1], atol=1e-5, rtol=1e-4)
+
+
+def test_stop_inside_a_round_leaves_only_committed_state(model):
+    """A stop string that cuts a speculative round (spec §3.4): the slot keeps only prompt + kept tokens,
+    and a follow-up request extending them continues exactly like a fresh slot (E11 after F3)."""
+    rng = random.Random(3)
+    prompt = tuple(rng.randrange(3399) for _ in range(24))
+    backend = ModelBackend(model, frozenset(), 1, 512)
+    sched = Scheduler(backend, CharText)
+    try:
+        full = [t for e in sched.submit(GenerationRequest(prompt=prompt, max_tokens=40, ignore_eos=True, mtp="on",
+                                                          slot=0)) if isinstance(e, TextDelta) for t in e.token_ids]
+        text = "".join(chr(97 + t % 26) for t in full)
+        cut = 17
+        stop = text[cut:cut + 2]
+        evs = list(sched.submit(GenerationRequest(prompt=prompt, max_tokens=40, ignore_eos=True, mtp="on",
+                                                  stop=(stop,), slot=0)))
+        fin = evs[-1]
+        kept = [t for e in evs if isinstance(e, TextDelta) for t in e.token_ids]
+        assert fin.finish_reason == "stop" and kept == full[:fin.completion_tokens]
+        assert list(backend.slots[0].tokens) == list(prompt) + kept[: len(backend.slots[0].tokens) - len(prompt)]
+        assert len(backend.slots[0].tokens) <= len(prompt) + len(kept)
+        follow = prompt + tuple(kept) + (11, 12, 13)
+        cache_n, toks = run(sched, follow)
+        fresh = ModelBackend(model, frozenset(), 1, 512)
+        fs = Scheduler(fresh, CharText)
+        try:
+            _, ftoks = run(fs, follow)
+        finally:
+            fs.close()
+        assert toks == ftoks and cache_n > 0
+    finally:
+        sched.close()
