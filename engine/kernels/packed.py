@@ -15,6 +15,17 @@ from gguf import GGMLQuantizationType as T
 from engine.kernels import fused
 
 PACKED_TYPES = (T.Q8_0, T.Q4_K, T.BF16, T.F16)
+# Below this many weights a matrix stays dense float32: one packed call costs ~0.1 ms of Python and
+# dispatch (torch.compile wrappers): about what reading a 512K-weight float32 matrix (2 MiB) costs.
+PACKED_MIN_WEIGHTS = 1 << 19
+
+
+def worth_packing(ggml_type: T, shape: tuple[int, ...]) -> bool:
+    """Whether load_model(packed=True) keeps this weight packed (else: dense float32)."""
+    n = 1
+    for d in shape:
+        n *= d
+    return ggml_type in PACKED_TYPES and len(shape) >= 2 and n >= PACKED_MIN_WEIGHTS
 
 
 def _k_scales(sc12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

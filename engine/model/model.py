@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.config import ATTN, GDN, ModelConfig
 from engine.errors import InputError, ModelFileError
-from engine.kernels import PACKED_TYPES, PackedWeight
+from engine.kernels import PackedWeight, worth_packing
 from engine.model.attention import GatedAttention, KVView
 from engine.model.cache import GDNSteps, ModelCache
 from engine.model.deltanet import GatedDeltaNet
@@ -284,7 +284,7 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
                packed: bool = False) -> Qwen35Model:
     """Build the model from a `GGUFFile` (or a path): every module parameter is the dense dequantized
     GGUF tensor of the same name (2-D/3-D weights in `dtype`, norms, ssm_a/dt/conv in float32).
-    packed=True (CPU, float32): Q8_0/Q4_K/BF16/F16 matrices stay compact as `PackedWeight`s that
+    packed=True (CPU, float32): Q8_0/Q4_K/BF16/F16 matrices of ≥ 512K weights stay compact as `PackedWeight`s that
     `matmul_weight` multiplies with the fused kernels of engine/kernels (the reference is packed=False)."""
     from engine.gguf import open_gguf
     from engine.gguf.validate import check_model_gguf
@@ -314,7 +314,7 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
             numel *= d
         if numel != p.numel() or (len(w.shape) > 1 and tuple(w.shape[-1:]) != tuple(p.shape[-1:])):
             raise ModelFileError(f.path, f"{name}: shape {tuple(w.shape)} does not match the expected {tuple(p.shape)}")
-        if packed and p.dim() >= 2 and device.type == "cpu" and w.ggml_type in PACKED_TYPES \
+        if packed and device.type == "cpu" and worth_packing(w.ggml_type, tuple(w.shape)) \
                 and tuple(w.shape) == tuple(p.shape):
             _set_packed(model, pname, PackedWeight.from_gguf(name, w.ggml_type, tuple(w.shape), w.raw))
             used.add(name)

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as T
 
 from engine.bench.packing import pack
 from engine.kernels import PackedWeight, fused
+from engine.kernels import packed as packed_mod
 from engine.quants.dequant import dequantize
 from tests.conftest import fixture_path
 
@@ -18,7 +19,9 @@ BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 144, T.BF16: 2}
 
 @pytest.fixture
 def kernels(request, monkeypatch):
-    """Run with the compiled or the eager path (param), restoring the process-wide decision."""
+    """Run with the compiled or the eager path (param), restoring the process-wide decision; pack
+    every quantized matrix, however small (the fixtures' matrices are below the size threshold)."""
+    monkeypatch.setattr(packed_mod, "PACKED_MIN_WEIGHTS", 0)
     if request.param == "eager":
         monkeypatch.setenv("MTPCHAT_KERNELS", "eager")
     else:
@@ -47,6 +50,12 @@ def test_packed_product_matches_dense_reference(kernels, t):
         assert ((y - r).abs().max() / r.abs().max()) < 1e-5, (kernels, t.name, m)
     mode, reason = fused.status()
     assert mode == kernels and reason
+
+
+def test_small_matrices_stay_dense_by_default():
+    from engine.kernels import worth_packing
+    assert not worth_packing(T.Q8_0, (512, 256)) and worth_packing(T.Q8_0, (3584, 1024))
+    assert not worth_packing(T.Q6_K, (3584, 1024)) and not worth_packing(T.F32, (3584, 1024))
 
 
 def test_q8_0_packed_weight_is_a_view_of_the_file_bytes():
@@ -80,7 +89,10 @@ def _check_fixture(name: str):
     path = fixture_path(f"models/{name}")
     prompt = [int(t) for t in np.load(fixture_path("ref/tiny-qwen35.npz"))["prompt_7"]]
     ref_toks, ref_logits = _greedy(load_model(path), prompt, 12)
-    toks, logits = _greedy(load_model(path, packed=True), prompt, 12)
+    model = load_model(path, packed=True)
+    n_packed = sum(isinstance(v, PackedWeight) for m in model.modules() for v in vars(m).values())
+    assert n_packed > 0 or "f32" in name or "q6_k" in name or "iq4" in name, name
+    toks, logits = _greedy(model, prompt, 12)
     assert toks == ref_toks, name
     rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
     assert rel < 1e-3, (name, float(rel))
