@@ -147,12 +147,6 @@ def _to_generation(state: ServerState, req: ApiRequest, prompt: list[int], bound
         raise bad_request(f"max_tokens: {len(prompt)} prompt tokens + {max_tokens} exceed the slot context of "
                           f"{n_ctx} tokens", param="max_tokens", code="context_length_exceeded")
     s = req.sampling
-    for name, value, neutral in (("presence_penalty", s.presence_penalty, 0.0),
-                                 ("frequency_penalty", s.frequency_penalty, 0.0),
-                                 ("repeat_penalty", s.repeat_penalty, 1.0)):
-        if value != neutral:
-            raise bad_request(f"{name}: penalties are not supported by this server yet (only {neutral:g})",
-                              param=name, code="unsupported_parameter")
     return GenerationRequest(
         prompt=tuple(prompt), max_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         min_p=s.min_p, seed=s.seed, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,

@@ -306,6 +306,7 @@ class ModelBackend(SlotBackend):
             if t in self.eog_ids and not run.req.ignore_eos:
                 res.eos = True
                 break
+        run.sampler.accept(res.tokens)
         run.pending = toks[-1]
 
     def _plain_steps(self, slots: list[int]) -> dict[int, SlotStep]:

@@ -77,3 +77,22 @@ def test_server_greedy_equals_generate(server, references, mtp):
         t.join(120)
     for n in PROMPT_LENGTHS:                                  # four busy slots
         assert results[n] == references[n][1], (mtp, n)
+
+
+def test_penalties_give_the_same_greedy_tokens_with_and_without_mtp(server, references):
+    def ask(c, prompt, mtp):
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": N_TOKENS, "temperature": 0,
+                                            "ignore_eos": True, "return_tokens": True, "mtp": mtp,
+                                            "repeat_penalty": 1.3, "presence_penalty": 0.5,
+                                            "frequency_penalty": 0.2})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with server.client() as c:
+        for n, (prompt, plain) in references.items():
+            off = ask(c, prompt, "off")
+            on = ask(c, prompt, "on")
+            assert on["tokens"] == off["tokens"], n
+            assert on["timings"]["draft_n"] > 0
+            if n > 1:
+                assert off["tokens"] != plain   # the penalties do change the text
