@@ -88,6 +88,7 @@ def test_penalties_give_the_same_greedy_tokens_with_and_without_mtp(server, refe
         assert r.status_code == 200, r.text
         return r.json()
 
+    results = {}
     with server.client() as c:
         for n, (prompt, plain) in references.items():
             off = ask(c, prompt, "off")
@@ -96,3 +97,16 @@ def test_penalties_give_the_same_greedy_tokens_with_and_without_mtp(server, refe
             assert on["timings"]["draft_n"] > 0
             if n > 1:
                 assert off["tokens"] != plain   # the penalties do change the text
+            results[n] = off["tokens"]
+    busy = {}
+
+    def worker(n):
+        with server.client() as c:
+            busy[n] = ask(c, references[n][0], "on")["tokens"]
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in PROMPT_LENGTHS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert busy == results                  # four busy slots, MTP on == one slot, MTP off
