@@ -16,6 +16,10 @@ ALPHA_PRIOR = 0.8        # prior of alpha_1
 ALPHA_DECAY = 0.9        # unobserved alpha_j = 0.9 * alpha_{j-1}
 TIME_EMA = 0.25          # weight of the time EMAs
 HYSTERESIS = 1.03        # change k only for >= 3 % predicted gain
+OFF_HYSTERESIS = 1.10    # leave MTP for plain steps only for >= 10 % predicted gain
+PRIOR_WEIGHT = 3         # the acceptance prior counts as this many observations
+EXPLORE_EVERY = 16       # one round with k+1 drafts after this many rounds at k
+SURPRISE = 0.2           # a probe accepting a draft estimated below this restarts the estimate's warm-up
 PROBE_K = 2
 PROBE_FIRST = 16
 PROBE_MAX = 256
@@ -55,6 +59,7 @@ class AutoPolicy(DraftController):
         self.off = False
         self.plain_since_off = 0
         self.probe_every = PROBE_FIRST
+        self.rounds_since_explore = 0
         self._probing = False
         self._change: str | None = None
 
@@ -157,7 +162,10 @@ class AutoPolicy(DraftController):
             return Decision(0, "plain", self.baseline_tps)
         best = self.best_k(self.k_max)
         cur = self.k_current
-        if cur == 0 or self.rate(best) >= HYSTERESIS * self.rate(cur):
+        # between draft lengths 3 % hysteresis; turning MTP off needs a clear loss (OFF_HYSTERESIS),
+        # because coming back costs probes and a noisy acceptance estimate crosses a thin margin often
+        need = OFF_HYSTERESIS if best == 0 else HYSTERESIS
+        if cur == 0 or self.rate(best) >= need * self.rate(cur):
             cur = best
         if cur == 0:
             self.off, self.plain_since_off, self.k_current = True, 0, 0
@@ -165,6 +173,12 @@ class AutoPolicy(DraftController):
             return Decision(0, "plain", self.baseline_tps)
         self.k_current = cur
         k = min(cur, k_cap)
+        self.rounds_since_explore += 1
+        if self.rounds_since_explore >= EXPLORE_EVERY and k == cur < min(self.k_max, k_cap):
+            # acceptance past the chosen k is never observed at that k (censored): draft one more
+            # now and then so a stale low estimate of alpha_{k+1} can recover
+            self.rounds_since_explore = 0
+            k += 1
         return Decision(k, "round", self.rate(k))
 
     def _probe_floor(self) -> int:
@@ -190,12 +204,16 @@ class AutoPolicy(DraftController):
     def observe_round(self, k: int, accepted: int, timing: RoundTiming) -> None:
         if k <= 0:
             return
+        if self._probing and accepted > 0 and min(self.alphas()[:accepted]) < SURPRISE:
+            # a probe accepted drafts the estimate said were near-hopeless: the text changed (prose ->
+            # code); restart the warm-up weights so the new regime is learnt in a few rounds
+            self.alpha_n = [0] * (self.k_max + 1)
         # alpha_j is observed by rounds with k >= j whose drafts 1..j-1 were accepted (spec §4.2)
         for j in range(1, min(k, accepted + 1) + 1):
             hit = 1.0 if j <= accepted else 0.0
             self.alpha_n[j] += 1
-            # the prior counts as one observation, then a fixed EMA weight of 0.1
-            w = max(ALPHA_EMA, 1.0 / (self.alpha_n[j] + 1))
+            # the prior counts as PRIOR_WEIGHT observations, then a fixed EMA weight of 0.1
+            w = max(ALPHA_EMA, 1.0 / (self.alpha_n[j] + PRIOR_WEIGHT))
             prior = self.alpha[j] if self.alpha[j] is not None else self.alphas()[j - 1]
             self.alpha[j] = w * hit + (1.0 - w) * prior
         self.t_draft = _ema(self.t_draft, timing.draft_s / k, TIME_EMA)

@@ -107,7 +107,9 @@ def test_all_rejected_turns_off_fast_and_probes_with_doubling_interval():
     pol = AutoPolicy(8)
     sim.run(pol, 1000)
     rounds_before_off = sim.kinds.count("round")
-    assert rounds_before_off <= 6, rounds_before_off
+    # verification is cheap here (GPU-like), so a wasted round costs little: the estimate decays from
+    # the prior before MTP goes off
+    assert rounds_before_off <= 24, rounds_before_off
     probes = [i for i, kind in enumerate(sim.kinds) if kind == "probe"]
     gaps = [b - a - 1 for a, b in zip(probes, probes[1:], strict=False)]
     assert probes and gaps[:4] == [32, 64, 128, 256][: len(gaps[:4])], gaps
@@ -118,16 +120,21 @@ def test_all_rejected_turns_off_fast_and_probes_with_doubling_interval():
 
 
 def test_prose_then_code_gets_mtp_back():
-    """Acceptance 0.05 for 600 tokens, then 0.9: MTP goes off, then a probe wins it back."""
+    """Acceptance 0.05 for 600 tokens, then 0.9: MTP goes off, then a probe wins it back (one probe
+    after the switch normally suffices; a probe can be unlucky, so a second one is allowed)."""
     switch = 600
-    sim = Sim(alpha=lambda t: 0.05 if t < switch else 0.9, slope=0.05, seed=3)
-    pol = AutoPolicy(6)
-    sim.run(pol, switch)
-    assert pol.state == DISABLED
-    sim.run(pol, 800)
-    won = [t for t, c in sim.changes if c == "probe won" and t >= switch]
-    assert won and won[0] - switch <= PROBE_MAX + 64, sim.changes
-    assert pol.state == AUTO and max(sim.ks[-20:]) >= 2
+    delays = []
+    for seed in range(5):
+        sim = Sim(alpha=lambda t: 0.05 if t < switch else 0.9, slope=0.05, seed=seed)
+        pol = AutoPolicy(6)
+        sim.run(pol, switch)
+        assert pol.state == DISABLED, seed
+        sim.run(pol, 900)
+        won = [t for t, c in sim.changes if c == "probe won" and t >= switch]
+        assert won and won[0] - switch <= 2 * PROBE_MAX + 64, (seed, sim.changes)
+        assert pol.state == AUTO and max(sim.ks[-20:]) >= 2, seed
+        delays.append(won[0] - switch)
+    assert sorted(delays)[3] <= PROBE_MAX + 64, delays
 
 
 def _fixed_estimates(v4: float, v5: float) -> AutoPolicy:
