@@ -346,7 +346,6 @@ class ModelBackend(SlotBackend):
     def _rounds(self, slots: list[int], k: int) -> dict[int, SlotStep]:
         """One speculative round with k drafts for each slot in `slots`, batched (spec §2, §3)."""
         dev = self.model.device
-        B = len(slots)
         t0 = time.perf_counter()
         self._flush_mtp(slots)
         s0 = torch.tensor([[self.slots[s].run.pending] for s in slots], dtype=torch.long, device=dev)
@@ -403,8 +402,9 @@ class ModelBackend(SlotBackend):
         t3 = time.perf_counter()
         for i, s in enumerate(slots):
             run = self.slots[s].run
-            share = 1.0 / B
-            timing = RoundTiming((t1 - t0) * share, (t2 - t1) * share, (t3 - t2) * share)
+            # wall time of the whole batched round, as a plain step's is of the whole batched step: each
+            # slot waits for all rows of its batch (spec §5.1: timings include the other slots' rows)
+            timing = RoundTiming(t1 - t0, t2 - t1, t3 - t2)
             run.controller.observe_round(k, n_acc[i], timing)
             results[s].events.append(self._event(s, run, run.kind, k, n_acc[i],
                                                  len(results[s].tokens), timing))
