@@ -64,7 +64,7 @@ class _Slot:
 class ModelBackend(SlotBackend):
     def __init__(self, model, eog_ids: frozenset[int], n_slots: int, n_ctx_slot: int, *, prefill_chunk: int = 256,
                  ctx_checkpoints: int = 8, delta_chunk: int = 64, kv_dtype: torch.dtype | None = None,
-                 batch_slots: bool = True):
+                 batch_slots: bool = True, pad_mixed: bool = True):
         self.model = model
         self.cfg = model.cfg
         self.n_slots = n_slots
@@ -81,6 +81,9 @@ class ModelBackend(SlotBackend):
         # False: every slot's step/round runs as its own forward (the "alternating" baseline of the
         # batching measurement); True: one forward per kind of work for all active slots
         self.batch_slots = batch_slots
+        # True: slots taking a plain step or a shorter draft join the longest round's verification pass
+        # as padded rows (one forward per iteration); False: one forward per kind of work
+        self.pad_mixed = pad_mixed
         self.fault_hook = None   # test hook: fault_hook(slot, task) may raise before the slot's rows run
         self.output_hook = None  # test hook: output_hook(task, i, token) -> the token emitted as the i-th
 
@@ -134,17 +137,22 @@ class ModelBackend(SlotBackend):
                     plain.append(slot)
                 else:
                     rounds.setdefault(k, []).append(slot)
-            if self.batch_slots:
-                if plain:
-                    out.update(self._plain_steps(plain))
-                for k, group in sorted(rounds.items()):
-                    out.update(self._rounds(group, k))
-            else:
+            if not self.batch_slots:
                 for slot in plain:
                     out.update(self._plain_steps([slot]))
                 for k, group in sorted(rounds.items()):
                     for slot in group:
-                        out.update(self._rounds([slot], k))
+                        out.update(self._rounds([slot], [k]))
+            elif rounds and self.pad_mixed:
+                # one pass for every ready slot: plain steps and shorter drafts ride as padded rows
+                group = plain + [s for k in sorted(rounds) for s in rounds[k]]
+                ks = [0] * len(plain) + [k for k in sorted(rounds) for _ in rounds[k]]
+                out.update(self._rounds(group, ks))
+            else:
+                if plain:
+                    out.update(self._plain_steps(plain))
+                for k, group in sorted(rounds.items()):
+                    out.update(self._rounds(group, [k] * len(group)))
         return out
 
     def finish(self, slot: int, n_kept: int) -> None:
@@ -343,71 +351,97 @@ class ModelBackend(SlotBackend):
                 results[s].events.append(self._event(s, run, "plain", 0, 0, 1, RoundTiming(0.0, dt, 0.0)))
         return results
 
-    def _rounds(self, slots: list[int], k: int) -> dict[int, SlotStep]:
-        """One speculative round with k drafts for each slot in `slots`, batched (spec §2, §3)."""
+    def _rounds(self, slots: list[int], ks: list[int]) -> dict[int, SlotStep]:
+        """One verification pass for all `slots`, batched (spec §2, §3): slot i drafts ks[i] tokens, 0 being
+        a plain step carried in the same pass. Rows past a slot's own k+1 are padding and are rolled back
+        with the rejected drafts (KV by length, GDN state by the per-step snapshots)."""
         dev = self.model.device
+        B, K = len(slots), max(ks)
         t0 = time.perf_counter()
-        self._flush_mtp(slots)
-        s0 = torch.tensor([[self.slots[s].run.pending] for s in slots], dtype=torch.long, device=dev)
-        P = [len(self.slots[s].tokens) for s in slots]
-        hid = torch.stack([self.slots[s].carry for s in slots])[:, None]
-        tok = s0
-        drafts = []
-        for _ in range(k):
-            m = self.model.mtp_forward(tok, hid, self.cache, slots, logits="last")
-            tok = m.logits[:, -1].argmax(dim=-1, keepdim=True)
-            hid = m.hidden
-            drafts.append(tok)
-        for s, p in zip(slots, P, strict=True):
-            self.cache.truncate_mtp(s, p + 1)  # keep E(P) of step 1, drop the chain's scratch entries
-        d = torch.cat(drafts, dim=1)                                   # [B, k]
-        t1 = time.perf_counter()
-        rows = torch.cat([s0, d], dim=1)                               # [B, k+1]
-        out = self.model.forward(rows, self.cache, slots, logits="all", chunk=self.delta_chunk, gdn_steps=True)
+        spec = [i for i in range(B) if ks[i] > 0]
+        spec_slots = [slots[i] for i in spec]
+        self._flush_mtp(spec_slots)
         s0_host = [self.slots[s].run.pending for s in slots]
+        s0 = torch.tensor([[t] for t in s0_host], dtype=torch.long, device=dev)
+        P = [len(self.slots[s].tokens) for s in slots]
+        d = torch.zeros(B, K, dtype=torch.long, device=dev)           # drafts; padding past a slot's k
+        if spec:
+            tok = s0[spec]                                            # [S, 1]
+            hid = torch.stack([self.slots[s].carry for s in spec_slots])[:, None]
+            for j in range(K):
+                act = [n for n, i in enumerate(spec) if ks[i] > j]
+                if len(act) == len(spec):
+                    m = self.model.mtp_forward(tok, hid, self.cache, spec_slots, logits="last")
+                    tok = m.logits[:, -1].argmax(dim=-1, keepdim=True)
+                    hid = m.hidden
+                else:
+                    m = self.model.mtp_forward(tok[act], hid[act], self.cache, [spec_slots[n] for n in act],
+                                               logits="last")
+                    tok, hid = tok.clone(), hid.clone()
+                    tok[act] = m.logits[:, -1].argmax(dim=-1, keepdim=True)
+                    hid[act] = m.hidden
+                d[[spec[n] for n in act], j] = tok[act, 0]
+            for i in spec:
+                self.cache.truncate_mtp(slots[i], P[i] + 1)  # keep E(P) of step 1, drop the chain's scratch
+        for i in range(B):
+            st = self.slots[slots[i]]
+            if ks[i] == 0 and self.has_mtp and st.run.uses_mtp:   # a plain step: E(P) queued (§5.3)
+                st.mtp_queue_tokens.append(s0_host[i])
+                st.mtp_queue_hidden.append(st.carry)
+        t1 = time.perf_counter()
+        rows = torch.cat([s0, d], dim=1)                               # [B, K+1]
+        out = self.model.forward(rows, self.cache, slots, logits="all", chunk=self.delta_chunk, gdn_steps=True)
         samplers = [self.slots[s].run.sampler for s in slots]
         if all(sm.plain_greedy for sm in samplers):
             # spec §3.2 for every slot at once: one argmax and one host read for the whole batch
-            both = torch.cat([d, out.logits.argmax(dim=-1)], dim=1).tolist()   # [B, k + (k+1)]
-            d_host, targets = [r[:k] for r in both], [r[k:] for r in both]
+            both = torch.cat([d, out.logits.argmax(dim=-1)], dim=1).tolist()   # [B, K + (K+1)]
+            d_host = [r[:K] for r in both]
             emitted = []
-            for dr, tg in zip(d_host, targets, strict=True):
-                a = 0
-                while a < k and dr[a] == tg[a]:
+            for i, r in enumerate(both):
+                dr, tg, a = r[:K], r[K:], 0
+                while a < ks[i] and dr[a] == tg[a]:
                     a += 1
                 emitted.append(dr[:a] + [tg[a]])
         else:
             d_host = d.tolist()
-            emitted = [sm.verify(out.logits[i], d_host[i], accepted_prefix) for i, sm in enumerate(samplers)]
+            emitted = [sm.verify(out.logits[i, :ks[i] + 1], d_host[i][:ks[i]], accepted_prefix)
+                       for i, sm in enumerate(samplers)]
         n_acc = [len(ids) - 1 for ids in emitted]
         t2 = time.perf_counter()
         self.cache.rollback(out.gdn_steps, [a + 1 for a in n_acc])
-        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a. One MTP pass over max(a) rows for all
-        # slots; rows past a slot's own a are scratch, cut off right after (KV is cut by length)
-        a_max = max(n_acc)
+        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a. One MTP pass over max(a) rows for the
+        # drafting slots; rows past a slot's own a are scratch, cut off right after (KV is cut by length)
+        a_max = max((n_acc[i] for i in spec), default=0)
         if a_max > 0:
-            self.model.mtp_forward(d[:, :a_max], out.hidden[:, :a_max], self.cache, slots, logits="none")
-            for s, p, a in zip(slots, P, n_acc, strict=True):
-                self.cache.truncate_mtp(s, p + 1 + a)
+            self.model.mtp_forward(d[spec, :a_max], out.hidden[spec, :a_max], self.cache, spec_slots,
+                                   logits="none")
+            for i in spec:
+                self.cache.truncate_mtp(slots[i], P[i] + 1 + n_acc[i])
         results = {}
         for i, s in enumerate(slots):
             st = self.slots[s]
-            run = st.run
             a = n_acc[i]
             st.tokens.extend([s0_host[i], *d_host[i][:a]])
-            st.carry = out.hidden[i, a].clone()
+            if self.has_mtp and st.run.uses_mtp:
+                st.carry = out.hidden[i, a].clone()
             res = SlotStep()
-            self._emit(run, res, emitted[i])
+            self._emit(st.run, res, emitted[i])
             results[s] = res
         t3 = time.perf_counter()
+        # wall time of the whole batched pass, as a plain step's is of the whole batched step: each slot
+        # waits for all rows of its batch (spec §5.1: timings include the other slots' rows)
+        timing = RoundTiming(t1 - t0, t2 - t1, t3 - t2)
         for i, s in enumerate(slots):
             run = self.slots[s].run
-            # wall time of the whole batched round, as a plain step's is of the whole batched step: each
-            # slot waits for all rows of its batch (spec §5.1: timings include the other slots' rows)
-            timing = RoundTiming(t1 - t0, t2 - t1, t3 - t2)
-            run.controller.observe_round(k, n_acc[i], timing)
-            results[s].events.append(self._event(s, run, run.kind, k, n_acc[i],
-                                                 len(results[s].tokens), timing))
+            if ks[i] == 0:
+                if self.has_mtp and run.uses_mtp:
+                    run.controller.observe_plain(timing.round_s)
+                    results[s].events.append(self._event(s, run, "plain", 0, 0, len(results[s].tokens),
+                                                         RoundTiming(0.0, timing.round_s, 0.0)))
+                continue
+            run.controller.observe_round(ks[i], n_acc[i], timing)
+            results[s].events.append(self._event(s, run, run.kind, ks[i], n_acc[i], len(results[s].tokens),
+                                                 timing))
         return results
 
     def _event(self, slot: int, run: _Run, kind: str, k: int, a: int, emitted: int, timing: RoundTiming

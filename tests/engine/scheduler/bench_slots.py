@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--no-batch", action="store_true", help="one forward per slot (alternating) instead of batched")
     ap.add_argument("--compare-batching", action="store_true",
                     help="run every configuration batched and alternating, interleaved")
+    ap.add_argument("--compare-padding", action="store_true",
+                    help="run every configuration with plain steps padded into the verification pass and "
+                         "with one forward per kind of work, interleaved")
     ap.add_argument("--modes", default="off,on,adaptive,auto")
     ap.add_argument("--slots", default="1,2,4")
     args = ap.parse_args()
@@ -82,15 +85,19 @@ def main() -> None:
     sched = Scheduler(backend, text_factory(tok.token_bytes))
     try:
         run_once(sched, prompts[:1], 16, "on", args.draft)  # warm-up
-        batchings = (True, False) if args.compare_batching else (not args.no_batch,)
+        variants = [("", not args.no_batch, True)]
+        if args.compare_batching:
+            variants = [("batched", True, True), ("alternating", False, True)]
+        elif args.compare_padding:
+            variants = [("padded", True, True), ("grouped", True, False)]
         for _ in range(args.reps):
             for n in slot_counts:
                 for mode in modes:
-                    for batched in batchings:
-                        backend.batch_slots = batched
+                    for vname, batched, padded in variants:
+                        backend.batch_slots, backend.pad_mixed = batched, padded
                         for s in range(4):
                             backend.abort(s)   # no prefix reuse between runs
-                        key = (n, mode if len(batchings) == 1 else f"{mode}/{'batched' if batched else 'alternating'}")
+                        key = (n, f"{mode}/{vname}" if vname else mode)
                         results.setdefault(key, []).append(run_once(sched, prompts[:n], args.tokens, mode,
                                                                     args.draft))
     finally:
