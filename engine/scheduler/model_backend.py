@@ -1,10 +1,11 @@
 """The real slot backend: one Qwen3.5 model, one `ModelCache` for N slots, batched decode with MTP.
 
 Each iteration (spec/mtp-speculation.md §6.1): prompt chunks for slots in prefill (cut at message
-boundaries so checkpoints land there, §6.5), then one batched main pass for every slot taking a plain
-step, and one batched draft chain + verification pass per draft length k for slots taking a
-speculative round (§2, §3). MTP cache alignment follows §1.3 (entry E(p) = (x_p, h(p-1)) at p; plain
-steps keep it in sync lazily, §5.3). Greedy acceptance at temperature 0; sample-and-compare otherwise (§3.3).
+boundaries so checkpoints land there, §6.5), then for the decoding slots one batched main pass: plain
+steps only (T = 1), or, when any slot drafts, one batched draft chain and one verification pass of
+T = max k + 1 rows in which plain steps and shorter drafts are padded rows (§2, §3). MTP cache
+alignment follows §1.3 (entry E(p) = (x_p, h(p-1)) at p; plain steps keep it in sync lazily, §5.3).
+Greedy acceptance at temperature 0; sample-and-compare otherwise (§3.3). Never prints.
 """
 
 from __future__ import annotations
