@@ -40,6 +40,15 @@ def dequant_view(t: T, p: dict[str, torch.Tensor]) -> torch.Tensor:
         s1 = (p["d"].float() * p["sc"].float()).unsqueeze(-1)                    # d·sc per sub-block
         m1 = (p["dmin"].float() * p["mn"].float()).unsqueeze(-1)                 # dmin·m per sub-block
         return (s1 * q.float() - m1).reshape(n, -1, 32)
+    if t == T.Q6_K:   # ql [N, K/256, half, j&1, 32], qh [N, K/256, half, 32], sc [N, K/256, half, j, 2] int8
+        ql, qh, n = p["ql"], p["qh"], p["ql"].shape[0]
+        s4 = torch.tensor([0, 4], dtype=torch.uint8, device=ql.device).view(2, 1, 1)
+        s2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=ql.device).view(4, 1)
+        lo = ((ql.unsqueeze(-3) >> s4) & 15).flatten(-3, -2)                     # [N, B, half, 4, 32]
+        hi = (qh.unsqueeze(-2) >> s2) & 3                                       # [N, B, half, 4, 32]
+        q = (lo | (hi << 4)).float() - 32                                       # element 128h + 32j + l
+        sc = (p["d"].float().view(n, -1, 1, 1, 1) * p["sc"].float()).unsqueeze(-1)  # [N, B, half, 4, 2, 1]
+        return (sc * q.view(*q.shape[:-1], 2, 16)).reshape(n, -1, 32)
     if t in (T.BF16, T.F16):
         w = p["w"]
         return w.float().view(w.shape[0], -1, 32) if w.shape[-1] % 32 == 0 else w.float().unsqueeze(-1)
@@ -66,7 +75,8 @@ def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor
     return torch.stack([(w * x[m].view(1, -1, g)).sum((-1, -2)) for m in range(x.shape[0])], dim=0)
 
 
-_PART_NAMES = {T.Q8_0: ("qs", "d"), T.Q4_K: ("qs", "d", "dmin", "sc", "mn"), T.BF16: ("w",), T.F16: ("w",)}
+_PART_NAMES = {T.Q8_0: ("qs", "d"), T.Q4_K: ("qs", "d", "dmin", "sc", "mn"), T.Q6_K: ("ql", "qh", "sc", "d"),
+               T.BF16: ("w",), T.F16: ("w",)}
 
 
 def sliced_product(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

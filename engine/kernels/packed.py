@@ -2,7 +2,7 @@
 ever materialising a dequantized copy of the whole matrix.
 
 A Q8_0 weight stays int8 quants + f16 block scales (34 bytes / 32 weights), Q4_K stays nibbles +
-6-bit scales (~0.56 bytes / weight), BF16 stays bf16. `PackedWeight.matmul` runs the fused
+6-bit scales (~0.56 bytes / weight), Q6_K stays its 210-byte blocks, BF16 stays bf16. `PackedWeight.matmul` runs the fused
 dequantize-and-multiply of `engine.kernels.fused` (torch.compile'd when a C++ compiler works,
 else the eager form with the same math). Never modifies its inputs; never prints.
 """
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 
 from engine.kernels import fused
 
-PACKED_TYPES = (T.Q8_0, T.Q4_K, T.BF16, T.F16)
+PACKED_TYPES = (T.Q8_0, T.Q4_K, T.Q6_K, T.BF16, T.F16)
 # Below this many weights a matrix stays dense float32: one packed call costs ~0.1 ms of Python and
 # dispatch (torch.compile wrappers): about what reading a 512K-weight float32 matrix (2 MiB) costs.
 PACKED_MIN_WEIGHTS = 1 << 19
@@ -63,6 +63,11 @@ class PackedWeight:
             sc, mn = _k_scales(b[..., 4:16])
             parts = {"qs": b[..., 16:].unflatten(-1, (4, 32)), "d": b[..., 0:2].view(torch.float16),
                      "dmin": b[..., 2:4].view(torch.float16), "sc": sc, "mn": mn}
+        elif ggml_type == T.Q6_K:
+            b = raw.view(*lead, K // 256, 210)
+            parts = {"ql": b[..., :128].unflatten(-1, (2, 2, 32)), "qh": b[..., 128:192].unflatten(-1, (2, 32)),
+                     "sc": b[..., 192:208].view(torch.int8).unflatten(-1, (2, 4, 2)),
+                     "d": b[..., 208:210].view(torch.float16)}
         elif ggml_type == T.BF16:
             parts = {"w": raw.view(torch.bfloat16).view(*lead, K)}
         elif ggml_type == T.F16:

@@ -14,7 +14,7 @@ from engine.kernels import packed as packed_mod
 from engine.quants.dequant import dequantize
 from tests.conftest import fixture_path
 
-BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 144, T.BF16: 2}
+BLOCK_BYTES = {T.Q8_0: 34, T.Q4_K: 144, T.Q6_K: 210, T.BF16: 2}
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def _weight(t: T, n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("kernels", ["compiled", "eager"], indirect=True)
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K, T.BF16])
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K, T.Q6_K, T.BF16])
 def test_packed_product_matches_dense_reference(kernels, t):
     pw, ref = _weight(t, 320, 512)
     assert torch.equal(pw.dense(), ref)                       # dequantization is exact
@@ -55,7 +55,7 @@ def test_packed_product_matches_dense_reference(kernels, t):
 def test_small_matrices_stay_dense_by_default():
     from engine.kernels import worth_packing
     assert not worth_packing(T.Q8_0, (512, 256)) and worth_packing(T.Q8_0, (3584, 1024))
-    assert not worth_packing(T.Q6_K, (3584, 1024)) and not worth_packing(T.F32, (3584, 1024))
+    assert worth_packing(T.Q6_K, (3584, 1024)) and not worth_packing(T.F32, (3584, 1024))
 
 
 def test_q8_0_packed_weight_is_a_view_of_the_file_bytes():
@@ -91,7 +91,7 @@ def _check_fixture(name: str):
     ref_toks, ref_logits = _greedy(load_model(path), prompt, 12)
     model = load_model(path, packed=True)
     n_packed = sum(isinstance(v, PackedWeight) for m in model.modules() for v in vars(m).values())
-    assert n_packed > 0 or "f32" in name or "q6_k" in name or "iq4" in name, name
+    assert n_packed > 0 or "f32" in name or "iq4" in name, name
     toks, logits = _greedy(model, prompt, 12)
     assert toks == ref_toks, name
     rel = (logits - ref_logits).abs().max() / ref_logits.abs().max()
