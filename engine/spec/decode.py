@@ -60,8 +60,9 @@ class SpecOptions:
     # the clock of every timing (events, policies): wall time by default; `time.thread_time` measures
     # this thread's CPU time, which a one-thread CPU benchmark on a shared machine needs
     clock: Callable[[], float] = time.perf_counter
-    # plain steps queue their MTP entries and write them in one batch before the next draft, at 256
-    # queued rows and at the end of the request (spec §5.3 "lazily"); False writes one row per step
+    # plain steps queue their MTP entries and write them in one batch before the next draft and at 256
+    # queued rows (spec §5.3 "lazily"; `sync_mtp()` writes them on demand, e.g. before the cache is
+    # reused); False writes one row per step
     lazy_mtp_sync: bool = True
 
     def __post_init__(self):
@@ -182,12 +183,6 @@ class SpecDecoder:
                 for k in sorted(groups):
                     group = groups[k]
                     yield from (self._plain(group) if k == 0 else self._round(group, k))
-                for s in active:
-                    if s.done and s.mtp_queue:
-                        # the request ended: leave the MTP cache describing every committed token
-                        t0 = self.opt.clock()
-                        self._flush_mtp(s)
-                        s.decode_s += self.opt.clock() - t0
 
     # ------------------------------------------------------------------ pieces
 

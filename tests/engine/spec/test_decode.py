@@ -236,6 +236,7 @@ def test_f3_stops_inside_accepted_drafts(name):
                 want = plain.generate([prompt], rule, token_bytes=_token_bytes)[0]
                 spec = SpecDecoder(model, SpecOptions(mode="on", n_draft=k, draft_hook=oracle))
                 got = spec.generate([prompt], rule, token_bytes=_token_bytes)[0]
+                spec.sync_mtp()
                 cases += 1
                 assert got.tokens == want.tokens and got.finish_reason == want.finish_reason, (k, pos, what)
                 assert got.text_bytes == want.text_bytes
@@ -321,6 +322,7 @@ def test_mtp_cache_matches_rewarm_across_plain_steps_and_rounds(lazy):
             checks += 1
         seq = dec.seqs[0]
         assert seq.checker.tokens == greedy
+        dec.sync_mtp()
         n = seq.n_past
         assert dec.cache.mtp_lengths[0] == dec.cache.lengths[0] == n and not seq.mtp_queue
         mk, _, _ = _rewarm(model, prompt + seq.checker.tokens[:n - len(prompt)], "post-norm")
