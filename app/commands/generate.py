@@ -18,7 +18,7 @@ from engine.spec.modes import DEFAULT_DRAFT, DEFAULT_MODE, HIDDEN_MODES, MTP_MOD
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("generate", help="generate text from a prompt (plain decoding)",
+    p = subparsers.add_parser("generate", help="generate text from a prompt (MTP speculation: --mtp)",
                               description="Prefill a prompt and generate up to --max-tokens tokens, greedy by "
                                           "default; stops at the model's end-of-generation tokens.")
     add_model_args(p)
