@@ -9,6 +9,7 @@ Never prints: `SpecDecoder.stream` yields a `RoundEvent` per round / plain step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -159,8 +160,7 @@ class SpecDecoder:
         self.seqs = []
         for i, p in enumerate(prompts):
             seed = None if sampling.seed is None else sampling.seed + i
-            smp = Sampler(SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed),
-                          self.model.device)
+            smp = Sampler(dataclasses.replace(sampling, seed=seed), self.model.device)
             ctl = make_controller(self.opt.mode if self.uses_mtp else "off", self.opt.n_draft)
             seq = _Seq(i, i, list(p), StopChecker(rule, token_bytes), ctl, smp)
             if not sampling.greedy:
