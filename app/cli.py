@@ -14,7 +14,7 @@ import sys
 from engine.errors import MtpchatError
 
 # Each verb lives in app/commands/<name>.py with a `register(subparsers)` function.
-COMMANDS = ("inspect", "tokenize", "template", "logits", "generate", "bench", "serve", "imatrix")
+COMMANDS = ("chat", "inspect", "tokenize", "template", "logits", "generate", "bench", "serve", "imatrix")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,7 +64,10 @@ def _start_gui(args: argparse.Namespace) -> int:
             + ", ".join(f"mtpchat {c}" for c in COMMANDS if _has(c))
             + " (see mtpchat --help)\n"
         )
-        return 0
+        if not sys.stdin.isatty():
+            return 0
+        sys.stderr.write("mtpchat: starting the terminal chat (mtpchat chat) instead\n")
+        return main(["chat"])
     return int(ui_main.main(args) or 0)
 
 
