@@ -38,8 +38,13 @@ def _weight(t: T, n: int, k: int, seed: int = 0):
     return PackedWeight.from_gguf("w", t, (n, k), raw), ref
 
 
-@pytest.mark.parametrize("kernels", ["compiled", "eager"], indirect=True)
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K, T.Q6_K, T.BF16])
+_slow = pytest.mark.slow  # each compiled (type, rows) costs seconds of C++ compilation
+
+
+@pytest.mark.parametrize("kernels,t", [
+    ("eager", T.Q8_0), ("eager", T.Q4_K), ("eager", T.Q6_K), ("eager", T.BF16), ("compiled", T.Q8_0),
+    pytest.param("compiled", T.Q4_K, marks=_slow), pytest.param("compiled", T.Q6_K, marks=_slow),
+    pytest.param("compiled", T.BF16, marks=_slow)], indirect=["kernels"])
 def test_packed_product_matches_dense_reference(kernels, t):
     pw, ref = _weight(t, 320, 512)
     assert torch.equal(pw.dense(), ref)                       # dequantization is exact
