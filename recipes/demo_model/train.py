@@ -117,7 +117,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: int, lr: float,
-          seed: int, threads: int, log_every: int = 10, stop_after: int | None = None) -> dict:
+          seed: int, threads: int, log_every: int = 10, stop_after: int | None = None,
+          init_from: Path | None = None) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -134,9 +135,14 @@ def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: i
              "data %.1fs", len(samples), sum(len(s[0]) for s in samples), len(prefix),
              int(sum(sum(s[1]) for s in samples)), t_data)
 
-    dims = DemoDims()
-    model = DemoModel(dims)
-    model.init_weights(torch.Generator().manual_seed(seed))
+    if init_from is not None:        # a further stage: same corpus and vocabulary, new schedule
+        model = load_checkpoint(init_from)
+        dims = model.dims
+        log.info("continuing from %s", init_from)
+    else:
+        dims = DemoDims()
+        model = DemoModel(dims)
+        model.init_weights(torch.Generator().manual_seed(seed))
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if p.dim() < 2 or "parametrizations" in name else decay).append(p)
@@ -199,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint (a second stage)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="run only the first N steps of the schedule (reproducibility probe; no checkpoint)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     s = train(a.out, steps=a.steps, n_conv=a.n_conv, max_tokens=a.max_tokens, max_len=a.max_len, lr=a.lr,
-              seed=a.seed, threads=a.threads, stop_after=a.stop_after)
+              seed=a.seed, threads=a.threads, stop_after=a.stop_after,
+              init_from=a.init_from)
     log.info("done: %s", {k: v for k, v in s.items() if k != "history"})
     return 0
 
