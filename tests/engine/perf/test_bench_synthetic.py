@@ -25,8 +25,8 @@ def test_bench_synthetic_08b_q8_0_json_fields():
     doc = json.loads(r.stdout)
     assert doc["model"] == "synthetic qwen35-0.8b:Q8_0" and doc["threads"] == 2
     assert 0.80e9 < doc["file_bytes"] < 0.84e9
-    # a Q8_0 decode step reads ~1.06 bytes per weight: never a dequantized float copy
-    assert 0.75e9 < doc["bytes_per_decode_step"] < 0.82e9
+    # a Q8_0 decode step reads ~1.1 bytes per weight (int8 + float32 block scales), never a float copy
+    assert 0.75e9 < doc["bytes_per_decode_step"] < 0.87e9
     assert doc["compute_path"]["kernels"] in ("compiled", "eager") and doc["compute_path"]["why"]
     assert doc["compute_path"]["weights"].get("packed Q8_0", 0) >= 24 * 5
     for key in ("decode_tok_s", "prefill_tok_s", "read_bandwidth_gbs", "bound_tok_s", "bound_pct",

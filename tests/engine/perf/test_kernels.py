@@ -63,10 +63,10 @@ def test_small_matrices_stay_dense_by_default():
     assert worth_packing(T.Q6_K, (3584, 1024)) and not worth_packing(T.F32, (3584, 1024))
 
 
-def test_q8_0_packed_weight_is_a_view_of_the_file_bytes():
+def test_q8_0_packed_quants_are_a_view_of_the_file_bytes():
     raw = pack(torch.randn(64, 256), T.Q8_0).reshape(-1)
     pw = PackedWeight.from_gguf("w", T.Q8_0, (64, 256), raw)
-    assert pw.nbytes == raw.numel()                           # 34 bytes per 32 weights, no copy
+    assert pw.nbytes == raw.numel() // 34 * 36                # int8 view + float32 scales: 36 B / 32
     assert pw.parts["qs"].untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
 
 
