@@ -40,14 +40,25 @@ def assistant_spans(text: str) -> list[tuple[int, int]]:
         i = end
 
 
-def encode_corpus(tok, texts: list[str]) -> list[tuple[list[int], list[float]]]:
-    """-> (ids, weights) per conversation; weights[t] = 1 when ids[t+1] is assistant text."""
+DECISION_CHARS = 12   # the first characters of a reply: empty reasoning, reasoning, or a tool call
+
+
+def encode_corpus(tok, texts: list[str], decision_weight: float = 1.0) -> list[tuple[list[int], list[float]]]:
+    """-> (ids, weights) per conversation; weights[t] = 1 when ids[t+1] is assistant text, and
+    `decision_weight` when it is one of the first characters of a reply (where the model decides
+    between answering and calling a tool)."""
     out = []
     for text, enc in zip(texts, tok.encode_batch(texts), strict=True):
         spans = assistant_spans(text)
         ids = enc.ids
-        is_asst = [any(s <= off[0] < e for s, e in spans) for off in enc.offsets]
-        w = [1.0 if is_asst[t + 1] else 0.0 for t in range(len(ids) - 1)] + [0.0]
+
+        def weight(off: tuple[int, int], spans=spans) -> float:
+            for s, e in spans:
+                if s <= off[0] < e:
+                    return decision_weight if off[0] < s + DECISION_CHARS else 1.0
+            return 0.0
+
+        w = [weight(enc.offsets[t + 1]) for t in range(len(ids) - 1)] + [0.0]
         out.append((ids, w))
     return out
 
@@ -118,7 +129,7 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: int, lr: float,
           seed: int, threads: int, log_every: int = 10, stop_after: int | None = None,
-          init_from: Path | None = None) -> dict:
+          init_from: Path | None = None, decision_weight: float = 1.0) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +138,7 @@ def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: i
     tok = tokenizer_train.build_tokenizer(texts[: tokenizer_train.N_TEXTS])
     tok.save(str(out_dir / "tokenizer.json"))
     has_tools = [corpus.make_conversation("train", i).tools is not None for i in range(n_conv)]
-    prefix, samples = split_prefix(encode_corpus(tok, texts), has_tools)
+    prefix, samples = split_prefix(encode_corpus(tok, texts, decision_weight), has_tools)
     prefix_tokens = torch.tensor([prefix])
     pad_id = tok.token_to_id("<|endoftext|>")
     t_data = time.monotonic() - t0
@@ -206,13 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint (a second stage)")
+    p.add_argument("--decision-weight", type=float, default=1.0,
+                   help="loss weight of the first characters of each reply (answer or tool call)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="run only the first N steps of the schedule (reproducibility probe; no checkpoint)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     s = train(a.out, steps=a.steps, n_conv=a.n_conv, max_tokens=a.max_tokens, max_len=a.max_len, lr=a.lr,
               seed=a.seed, threads=a.threads, stop_after=a.stop_after,
-              init_from=a.init_from)
+              init_from=a.init_from, decision_weight=a.decision_weight)
     log.info("done: %s", {k: v for k, v in s.items() if k != "history"})
     return 0
 
