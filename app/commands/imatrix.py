@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import InputError
+from engine.resources import default_model_path
 
 DEFAULT_BATCH = 2048  # llama.cpp's default n_batch: chunks per forward = n_batch / n_ctx
 
@@ -46,12 +47,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _default_model() -> Path:
-    here = Path(__file__).resolve().parents[2] / "resources"
-    found = sorted(here.glob("**/*.gguf")) if here.is_dir() else []
-    if not found:
-        raise InputError("--model: required (no bundled demo model found)")
-    return found[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
 
     text = read_calibration_text(args.text)
-    path = args.model or _default_model()
+    path = args.model or default_model_path()
     f = open_gguf(path)
     tokenizer = Tokenizer.from_gguf(f)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.int64)

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from engine.errors import InputError
+from engine.resources import default_model_path
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
@@ -39,13 +40,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "compact, multiplied by fused kernels (CPU; see mtpchat bench --synthetic)")
 
 
-def default_model() -> Path:
-    """The bundled demo model (resources/**/*.gguf), or an InputError."""
-    here = Path(__file__).resolve().parents[2] / "resources"
-    found = sorted(here.glob("**/*.gguf")) if here.is_dir() else []
-    if not found:
-        raise InputError("--model: required (no bundled demo model found)")
-    return found[0]
 
 
 def load_from_args(args: argparse.Namespace):
@@ -61,7 +55,7 @@ def load_from_args(args: argparse.Namespace):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise InputError("--device: cuda is not available on this machine")
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    f = open_gguf(args.model or default_model())
+    f = open_gguf(args.model or default_model_path())
     packed = getattr(args, "weights", "dense") == "packed"
     return f, load_model(f, device=args.device, dtype=getattr(torch, dtype_name), packed=packed)
 

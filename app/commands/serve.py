@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from engine.errors import InputError
+from engine.resources import default_model_path
 
 MTP_MODES = ("off", "on", "adaptive", "auto")
 
@@ -62,12 +63,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _default_model() -> Path:
-    here = Path(__file__).resolve().parents[2] / "resources"
-    found = sorted(here.glob("**/*.gguf")) if here.is_dir() else []
-    if not found:
-        raise InputError("--model: required (no bundled demo model found)")
-    return found[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,7 +104,7 @@ def build_state(args: argparse.Namespace):
     if args.threads < 0:
         raise InputError(f"--threads: must be >= 0, got {args.threads}")
     torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
-    path = args.model or _default_model()
+    path = args.model or default_model_path()
     f = open_gguf(path)
     tokenizer = Tokenizer.from_gguf(f)
     template = ChatTemplate.from_tokenizer_metadata(f.metadata, tokenizer)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import InputError
+from engine.resources import default_model_path
 
-RESOURCES = Path(__file__).resolve().parents[2] / "resources"
 _CACHE: dict[tuple, Any] = {}  # (path, size, mtime) -> GGUFFile / Tokenizer, for repeated in-process calls
 
 
@@ -40,10 +40,7 @@ def add_model_argument(p: argparse.ArgumentParser) -> None:
 def model_path(arg: Path | None) -> Path:
     if arg is not None:
         return arg
-    found = sorted(RESOURCES.glob("**/*.gguf")) if RESOURCES.is_dir() else []
-    if not found:
-        raise InputError("--model: required (no bundled demo model found in resources/)")
-    return found[0]
+    return default_model_path()
 
 
 def _key(path: Path) -> tuple:
