@@ -12,12 +12,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.errors import InputError
 from engine.scheduler.backend import SlotBackend
+from engine.scheduler.prefix import common_prefix
 from engine.scheduler.types import (
     MTP_MODES,
     Assigned,
@@ -301,7 +302,7 @@ class Scheduler:
             return None
         best, best_len = None, 0
         for i in idle:
-            n = _common_prefix(self.backend.cached_tokens(i), req.prompt)
+            n = common_prefix(self.backend.cached_tokens(i), req.prompt)
             if n > best_len:
                 best, best_len = i, n
         if best is not None:
@@ -464,10 +465,3 @@ class Scheduler:
         self._emit(act.handle, fin)
         self._wake()
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
