@@ -43,10 +43,48 @@ def assistant_spans(text: str) -> list[tuple[int, int]]:
 DECISION_CHARS = 12   # the first characters of a reply: empty reasoning, reasoning, or a tool call
 
 
-def encode_corpus(tok, texts: list[str], decision_weight: float = 1.0) -> list[tuple[list[int], list[float]]]:
+def split_generation_prompt(tok, ids: list[int], w: list[float], choice_weight: float = 1.0
+                            ) -> tuple[list[int], list[float]]:
+    """Tokenize every reply the way chat inference sees it. The generation prompt ends with
+    '<think>\\n' = [<think>, \\n] and the model continues from there; but the rendered corpus, encoded in
+    one piece, spells an empty reasoning block '<think>\\n\\n</think>' as [<think>, \\n\\n, </think>], so
+    [<think>, \\n] was only ever followed by reasoning text -- with tools present, by the reasoning of a
+    tool call (plain prompts then drew calls, and the answer after a tool result re-called the tool).
+    Here [<think>, \\n\\n, </think>] becomes [<think>, \\n, \\n, </think>], exactly the tokens the engine
+    sees (prompt [<think>, \\n] + generated [\\n, </think>, ...]). `choice_weight` is the loss weight of
+    the token after [<think>, \\n] in every reply: the choice between an empty and a written reasoning
+    block (the written one leads to the tool calls)."""
+    think, end_think = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    nl, nlnl = tok.token_to_id("\u010a"), tok.token_to_id("\u010a\u010a")
+    oi: list[int] = []
+    ow: list[float] = []
+    n = len(ids)
+    t = 0
+    while t < n:
+        oi.append(ids[t])
+        ow.append(w[t])
+        if ids[t] == think and t + 2 < n and ids[t + 1] == nlnl and ids[t + 2] == end_think and w[t] > 0:
+            # w[t]: predict the first newline from <think>; the new row predicts the second one (the
+            # choice); w[t+1] (predict </think>) moves to the second newline's row
+            oi += [nl, nl]
+            ow += [choice_weight * w[t], w[t + 1]]
+            t += 2
+            continue
+        if ids[t] == think and t + 1 < n and ids[t + 1] == nl and w[t] > 0:
+            oi.append(nl)
+            ow.append(choice_weight * w[t + 1])   # predict the first reasoning token (the choice)
+            t += 2
+            continue
+        t += 1
+    return oi, ow
+
+
+def encode_corpus(tok, texts: list[str], decision_weight: float = 1.0, gen_prompt_split: bool = False,
+                  choice_weight: float = 1.0) -> list[tuple[list[int], list[float]]]:
     """-> (ids, weights) per conversation; weights[t] = 1 when ids[t+1] is assistant text, and
     `decision_weight` when it is one of the first characters of a reply (where the model decides
-    between answering and calling a tool)."""
+    between answering and calling a tool). `gen_prompt_split`: see split_generation_prompt (stages
+    1-3 of the shipped recipe ran without it)."""
     out = []
     for text, enc in zip(texts, tok.encode_batch(texts), strict=True):
         spans = assistant_spans(text)
@@ -59,6 +97,8 @@ def encode_corpus(tok, texts: list[str], decision_weight: float = 1.0) -> list[t
             return 0.0
 
         w = [weight(enc.offsets[t + 1]) for t in range(len(ids) - 1)] + [0.0]
+        if gen_prompt_split:
+            ids, w = split_generation_prompt(tok, ids, w, choice_weight)
         out.append((ids, w))
     return out
 
@@ -129,7 +169,8 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: int, lr: float,
           seed: int, threads: int, log_every: int = 10, stop_after: int | None = None,
-          init_from: Path | None = None, decision_weight: float = 1.0) -> dict:
+          init_from: Path | None = None, decision_weight: float = 1.0, gen_prompt_split: bool = False,
+          choice_weight: float = 1.0) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +179,8 @@ def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: i
     tok = tokenizer_train.build_tokenizer(texts[: tokenizer_train.N_TEXTS])
     tok.save(str(out_dir / "tokenizer.json"))
     has_tools = [corpus.make_conversation("train", i).tools is not None for i in range(n_conv)]
-    prefix, samples = split_prefix(encode_corpus(tok, texts, decision_weight), has_tools)
+    prefix, samples = split_prefix(encode_corpus(tok, texts, decision_weight, gen_prompt_split, choice_weight),
+                                   has_tools)
     prefix_tokens = torch.tensor([prefix])
     pad_id = tok.token_to_id("<|endoftext|>")
     t_data = time.monotonic() - t0
@@ -192,6 +234,7 @@ def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: i
     torch.save({"state_dict": model.state_dict(), "dims": dims.__dict__, "seed": seed, "steps": steps},
                out_dir / "checkpoint.pt")
     summary = {"steps": steps, "n_conv": n_conv, "max_tokens": max_tokens, "lr": lr, "seed": seed,
+               "gen_prompt_split": gen_prompt_split, "choice_weight": choice_weight,
                "threads": threads, "data_s": round(t_data, 1), "train_s": round(train_s, 1),
                "final": history[-1], "history": history}
     (out_dir / "train_log.json").write_text(json.dumps(summary, indent=1))
@@ -219,13 +262,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint (a second stage)")
     p.add_argument("--decision-weight", type=float, default=1.0,
                    help="loss weight of the first characters of each reply (answer or tool call)")
+    p.add_argument("--gen-prompt-split", action="store_true",
+                   help="tokenize each reply as chat inference does: [<think>, \\n] then the reply "
+                        "(an empty reasoning block as \\n \\n </think>, not \\n\\n </think>)")
+    p.add_argument("--choice-weight", type=float, default=1.0,
+                   help="with --gen-prompt-split: loss weight of the token after [<think>, \\n] "
+                        "(empty or written reasoning, i.e. answer or tool call)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="run only the first N steps of the schedule (reproducibility probe; no checkpoint)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     s = train(a.out, steps=a.steps, n_conv=a.n_conv, max_tokens=a.max_tokens, max_len=a.max_len, lr=a.lr,
               seed=a.seed, threads=a.threads, stop_after=a.stop_after,
-              init_from=a.init_from, decision_weight=a.decision_weight)
+              init_from=a.init_from, decision_weight=a.decision_weight,
+              gen_prompt_split=a.gen_prompt_split, choice_weight=a.choice_weight)
     log.info("done: %s", {k: v for k, v in s.items() if k != "history"})
     return 0
 

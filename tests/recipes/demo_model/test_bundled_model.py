@@ -39,23 +39,24 @@ def test_held_out_prompts_tool_calls_and_mtp(demo):
     """A small sample of the acceptance run (the full one is the slow test below)."""
     from recipes.demo_model.evaluate import evaluate
 
-    rep = evaluate(MODEL, n_tool=6, n_plain=6, max_tokens=96)
+    rep = evaluate(MODEL, n_tool=6, n_plain=6, max_tokens=96, n_followup=6)
     assert rep["tool_call_valid_rate"] >= 5 / 6, rep["rows"]
-    # without a tools block the model never calls one (with tools, plain prompts still draw spurious
-    # calls: see the xfail below)
-    assert not any(r["spurious"] for r in rep["rows"] if not r["expects_tool"] and not r["tools"]), rep["rows"]
+    assert rep["plain_no_tool_call_rate"] >= 5 / 6, rep["rows"]
     assert rep["accepted_per_position"][0] >= 0.7
+    # after a tool result: an answer, not the same call again
+    assert rep["followup_no_call_rate"] >= 5 / 6, rep["followup_rows"]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="issue 6 bar not met by the shipped model: 79 of 100 held-out plain prompts "
-                          "without a spurious call (bar 95 %; every failure has the tools block in the "
-                          "prompt); the tool-call and MTP bars hold", strict=False)
 def test_acceptance_on_the_held_out_split(demo):
+    """The issue's bars on 150 + 150 held-out prompts, and the answer after a tool result on 100 held-out
+    tool dialogues (no new call; quoting the result: measured 0.74 at the time of writing, every miss a
+    read_file answer that does not copy the file's lines, so only the no-call part has a bar)."""
     from recipes.demo_model.evaluate import evaluate
 
-    rep = evaluate(MODEL, n_tool=150, n_plain=150)
+    rep = evaluate(MODEL, n_tool=150, n_plain=150, n_followup=100)
     assert rep["tool_call_valid_rate"] >= 0.90
     assert rep["plain_no_tool_call_rate"] >= 0.95
     assert rep["accepted_per_position"][0] >= 0.85
     assert rep["mean_acceptance_length"] >= 3.0
+    assert rep["followup_no_call_rate"] >= 0.95

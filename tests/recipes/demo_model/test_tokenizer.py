@@ -39,3 +39,34 @@ def test_engine_tokenizer_from_the_gguf_keys_gives_the_training_ids(tiny_tokeniz
         want = tiny_tokenizer.encode(rp.text).ids
         assert engine_tok.encode_chat(rp.pieces) == want, f"conversation {i}"
         assert engine_tok.decode(want, special=True) == rp.text
+
+
+def test_training_ids_continue_the_generation_prompt_as_chat_inference_does(tiny_tokenizer):
+    """Every point where the model must start a reply (after the last user turn, after each tool
+    result that follows it) is, in the training ids, exactly the engine's prompt ids for that cut
+    (ending [<think>, \\n]), so the training data teach the choice the model makes at inference."""
+    from recipes.demo_model.train import encode_corpus
+
+    v = tokenizer_train.gguf_vocab(tiny_tokenizer, 512)
+    md = _metadata(v)
+    engine_tok = Tokenizer.from_metadata(md)
+    tmpl = ChatTemplate.from_tokenizer_metadata(md, engine_tok)
+    n_cuts = n_old_mismatch = 0
+    for i in range(40):
+        conv = corpus.make_conversation("test", i)
+        text = corpus.render_conversation(conv)
+        (ids, w), = encode_corpus(tiny_tokenizer, [text], gen_prompt_split=True)
+        (old_ids, _), = encode_corpus(tiny_tokenizer, [text])
+        assert tiny_tokenizer.decode(ids, skip_special_tokens=False) == text
+        last_user = max(j for j, m in enumerate(conv.messages) if m["role"] == "user")
+        cuts = [last_user] + [j for j, m in enumerate(conv.messages) if m["role"] == "tool" and j > last_user]
+        for j in cuts:
+            rp = tmpl.render(conv.messages[: j + 1], conv.tools, add_generation_prompt=True)
+            prompt = engine_tok.encode_chat(rp.pieces)
+            assert engine_tok.piece(prompt[-2]) == "<think>"
+            assert ids[: len(prompt)] == prompt, f"conversation {i}, cut after message {j}"
+            assert w[len(prompt) - 1] > 0           # the reply's first generated token is trained
+            n_cuts += 1
+            n_old_mismatch += old_ids[: len(prompt)] != prompt
+    # the plain encoding of the rendered text (stages 1-3) misses the prompt at every empty reasoning block
+    assert n_cuts >= 40 and n_old_mismatch > 0
