@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# commands default to compiled steps in the background (`--steps auto`); tests run the eager path unless a
+# test asks for compiled steps itself (tests/engine/model/test_steps.py), so the suite does not compile
+os.environ.setdefault("MTPCHAT_STEPS", "eager")
 
 REPO = Path(__file__).resolve().parent.parent
 

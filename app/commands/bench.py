@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="compare decode speed with MTP off/on/adaptive/auto",
                               description="Run every MTP configuration on the same prompts in one process, "
                                           "interleaved, and report decode tokens/s side by side.")
-    add_model_args(p)
+    add_model_args(p, steps="auto")
     p.add_argument("--prompts", type=Path, help="prompts file: one prompt per line, or JSON lines with "
                                                 "'prompt' (text) or 'tokens' (ids)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens per run (default 128)")
@@ -168,4 +168,4 @@ def _table(doc: dict) -> None:
                   " ".join(f"{v:.2f}({n})" for n, v in r["verify_ms"].items()) or "-",
                   _fmt(r["draft_step_ms"], ".3f"), _fmt(r["cache_mib"], ".1f"))
     Console(width=200).print(t)
-    print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB")
+    print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; steps: {doc['steps']['path']} ({doc['steps']['why']})")

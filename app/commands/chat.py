@@ -10,7 +10,9 @@ import argparse
 import os
 import sys
 
+from app.commands.logits import STEPS_HELP
 from engine.errors import InputError
+from engine.spec.modes import STEP_MODES
 
 MTP_MODES = ("off", "on", "adaptive", "auto")
 HELP = "commands: /reset (new conversation), /stats (last reply's speculation), /quit"
@@ -27,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", help="system message")
     p.add_argument("--no-think", action="store_true", help="render the prompt with enable_thinking=false")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: the cores this process may use)")
+    p.add_argument("--steps", choices=STEP_MODES, default="auto", help=f"{STEPS_HELP} (default auto)")
     p.set_defaults(func=run)
 
 
@@ -34,7 +37,7 @@ class TerminalChat:
     """One conversation on a one-slot scheduler; `reply(text, out)` streams the assistant turn to `out`."""
 
     def __init__(self, model_path: str, *, mtp: str, draft: int, max_tokens: int, temperature: float,
-                 system: str | None, think: bool):
+                 system: str | None, think: bool, steps: str = "eager"):
         from engine.gguf import open_gguf
         from engine.model.model import load_model
         from engine.scheduler.model_backend import ModelBackend
@@ -47,6 +50,7 @@ class TerminalChat:
         self.tokenizer = Tokenizer.from_gguf(f)
         self.template = ChatTemplate.from_tokenizer_metadata(f.metadata, self.tokenizer)
         model = load_model(f)
+        model.compile_steps(steps, background=steps == "auto")
         n_ctx = min(4096, model.cfg.context_length)
         backend = ModelBackend(model, self.tokenizer.special.eog, 1, n_ctx)
         self.scheduler = Scheduler(backend, text_factory(self.tokenizer.token_bytes), default_mtp=mtp,
@@ -158,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     path = args.model or str(default_model_path())
     sys.stderr.write(f"mtpchat: loading {path} …\n")
     chat = TerminalChat(path, mtp=args.mtp, draft=args.draft, max_tokens=args.max_tokens,
-                        temperature=args.temperature, system=args.system, think=not args.no_think)
+                        temperature=args.temperature, system=args.system, think=not args.no_think,
+                        steps=args.steps)
     sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}). {HELP}\n")
     try:
         while True:

@@ -11,6 +11,12 @@ from pathlib import Path
 
 from engine.errors import InputError
 from engine.resources import default_model_path
+from engine.spec.modes import STEP_MODES
+
+STEPS_HELP = ("decode steps, MTP drafts and verifications as torch.compile'd graphs: auto compiles each kind "
+              "of step in the background on first use and switches when it is ready (needs a C++ "
+              "compiler on CPU); compiled compiles before using (blocking); eager never compiles. "
+              "MTPCHAT_STEPS=eager|compiled overrides auto")
 
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")
@@ -27,8 +33,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device, --dtype, --threads (shared with `generate`)."""
+def add_model_args(p: argparse.ArgumentParser, steps: str = "eager") -> None:
+    """--model, --device, --dtype, --threads, --weights, --steps (shared with `generate` and `bench`)."""
     p.add_argument("--model", type=Path, help="GGUF model file (default: the bundled demo model)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", choices=DTYPES, default=None,
@@ -38,6 +44,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=("dense", "packed"), default="dense",
                    help="dense: dequantized float matrices (reference, default); packed: GGUF blocks kept "
                         "compact, multiplied by fused kernels (CPU; see mtpchat bench --synthetic)")
+    p.add_argument("--steps", choices=STEP_MODES, default=steps,
+                   help=f"{STEPS_HELP} (default {steps})")
 
 
 
@@ -57,7 +65,9 @@ def load_from_args(args: argparse.Namespace):
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     f = open_gguf(args.model or default_model_path())
     packed = getattr(args, "weights", "dense") == "packed"
-    return f, load_model(f, device=args.device, dtype=getattr(torch, dtype_name), packed=packed)
+    model = load_model(f, device=args.device, dtype=getattr(torch, dtype_name), packed=packed)
+    model.compile_steps(args.steps, background=args.steps == "auto")
+    return f, model
 
 
 def parse_token_ids(text: str, n_vocab: int, what: str = "--tokens") -> list[int]:

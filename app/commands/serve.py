@@ -11,8 +11,10 @@ import logging
 import os
 from pathlib import Path
 
+from app.commands.logits import STEPS_HELP
 from engine.errors import InputError
 from engine.resources import default_model_path
+from engine.spec.modes import STEP_MODES
 
 MTP_MODES = ("off", "on", "adaptive", "auto")
 
@@ -53,6 +55,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--steps", choices=STEP_MODES, default="auto", help=f"{STEPS_HELP} (default auto)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: the cores this process may use)")
     p.add_argument("--queue-timeout", type=float, default=600.0, metavar="S",
@@ -111,6 +114,7 @@ def build_state(args: argparse.Namespace):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or (
         torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     model = load_model(f, device=args.device, dtype=dtype)
+    model.compile_steps(args.steps, background=args.steps == "auto")
     cfg = model.cfg
     n_ctx_slot = args.ctx // args.parallel if args.ctx else min(4096, cfg.context_length)
     if n_ctx_slot < 16:

@@ -19,7 +19,7 @@ from engine.errors import InputError, ModelFileError
 from engine.kernels import PackedWeight, worth_packing
 from engine.model.attention import GatedAttention, KVView
 from engine.model.cache import GDNSteps, ModelCache
-from engine.model.deltanet import GatedDeltaNet
+from engine.model.deltanet import RECURRENT_MAX_T, GatedDeltaNet
 from engine.model.layers import Linear, RMSNorm, SwiGLU, matmul_weight, rope_cos_sin
 from engine.model.moe import MoE
 from engine.model.mtp import NextN
@@ -27,6 +27,7 @@ from engine.model.mtp import NextN
 log = logging.getLogger(__name__)
 
 LOGIT_ROWS = ("all", "last", "none")
+STEP_MAX_T = 16   # cached calls of up to this many tokens run the compiled step when enabled
 
 
 class Block(nn.Module):
@@ -100,6 +101,8 @@ class Qwen35Model(nn.Module):
         self.blk = nn.ModuleList(blocks)
         self.output_norm = RMSNorm(E, cfg.rms_eps, device)
         self.output = None if cfg.tied_output else Linear(E, cfg.n_vocab, dtype, device)
+        self._steps = None                                       # CompiledSteps when compile_steps() enabled
+        self._steps_status = ("eager", "not enabled (Qwen35Model.compile_steps)")
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -148,9 +151,12 @@ class Qwen35Model(nn.Module):
         return {gguf_name(n): p for n, p in self.named_parameters()}
 
     @staticmethod
-    def _rows(h: torch.Tensor, logits: str) -> torch.Tensor | None:
+    def _rows_check(logits: str) -> None:
         if logits not in LOGIT_ROWS:
             raise ValueError(f"logits must be one of {LOGIT_ROWS}, got {logits!r}")
+
+    @staticmethod
+    def _rows(h: torch.Tensor, logits: str) -> torch.Tensor | None:
         return None if logits == "none" else (h if logits == "all" else h[:, -1:])
 
     def _slots(self, cache: ModelCache, slots: list[int] | None, B: int, T: int,
@@ -178,15 +184,35 @@ class Qwen35Model(nn.Module):
         are updated in place and `cache.lengths` advanced by T.
         logits: 'all' rows, only the 'last' row, or 'none' (the output head is skipped).
         chunk: delta-rule chunk length for T > 1 (T == 1 uses the recurrent form).
-        gdn_steps: also return the GDN state after every token (for `cache.rollback`)."""
+        gdn_steps: also return the GDN state after every token (for `cache.rollback`).
+        Calls with a cache and T <= STEP_MAX_T run the compiled step when `compile_steps` enabled it."""
         B, T = tokens.shape
-        h = self.embed(tokens)
-        if cache is not None:
-            slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.lengths)
-            sl = slice(single[0], single[0] + 1) if single is not None else slot_idx
-        else:
-            slots, slot_idx, n_keys, single = list(range(B)), None, T, None
+        self._rows_check(logits)
+        if cache is None:
+            slots = list(range(B))
             positions = torch.arange(T, device=self.device).expand(B, T)
+            res = self._main(tokens, None, None, positions, T, None, logits, chunk, gdn_steps)
+        else:
+            slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.lengths)
+            args = (tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps)
+            res = None
+            if self._steps is not None and T <= STEP_MAX_T:
+                res = self._steps.main(*args)
+            if res is None:
+                res = self._main(*args)
+            for s in slots:
+                cache.lengths[s] += T
+        h, h_final, lg, steps_conv, steps_ssm = res
+        steps = GDNSteps(slots, T, steps_conv, steps_ssm) if gdn_steps else None
+        return ForwardOutput(h, h_final, lg, steps)
+
+    def _main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps,
+              recurrent_max_t: int = RECURRENT_MAX_T):
+        """The tensor work of `forward` (no Python bookkeeping: the compiled step traces this)."""
+        h = self.embed(tokens)
+        sl = None
+        if cache is not None:
+            sl = slice(single[0], single[0] + 1) if single is not None else slot_idx
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         steps_conv, steps_ssm = {}, {}
         for i in range(self.cfg.n_layer):
@@ -198,7 +224,8 @@ class Qwen35Model(nn.Module):
             else:
                 conv0 = None if cache is None else cache.conv[i][sl]
                 ssm0 = None if cache is None else cache.ssm[i][sl]
-                out, conv, ssm = blk.mixer(a, conv0, ssm0, chunk=chunk, all_states=gdn_steps)
+                out, conv, ssm = blk.mixer(a, conv0, ssm0, chunk=chunk, all_states=gdn_steps,
+                                           recurrent_max_t=recurrent_max_t)
                 h = h + out
                 if gdn_steps:
                     steps_conv[i], steps_ssm[i] = conv, ssm
@@ -207,13 +234,9 @@ class Qwen35Model(nn.Module):
                     cache.conv[i][sl] = conv
                     cache.ssm[i][sl] = ssm
             h = blk.feed_forward(h)
-        if cache is not None:
-            for s in slots:
-                cache.lengths[s] += T
         h_final = self.output_norm(h)
         rows = self._rows(h_final, logits)
-        steps = GDNSteps(slots, T, steps_conv, steps_ssm) if gdn_steps else None
-        return ForwardOutput(h, h_final, None if rows is None else self.head(rows), steps)
+        return h, h_final, None if rows is None else self.head(rows), steps_conv, steps_ssm
 
     def prefill(self, tokens: torch.Tensor, cache: ModelCache, slots: list[int] | None = None, *,
                 chunk_tokens: int = 512, logits: str = "last", chunk: int = 64) -> ForwardOutput:
@@ -248,32 +271,66 @@ class Qwen35Model(nn.Module):
         if not self.cfg.has_mtp:
             raise InputError("mtp: this model file has no nextn (MTP) block")
         n = self.cfg.nextn_blocks[0] if block is None else block
+        self._rows_check(logits)
+        B, T = tokens.shape
+        if cache is None:
+            positions = torch.arange(T, device=self.device).expand(B, T)
+            hm, lg = self._mtp(tokens, hidden, None, None, positions, T, None, logits, n)
+            return MTPOutput(hm, lg)
+        if not cache.has_mtp:
+            raise ValueError("this cache was built without MTP KV")
+        slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.mtp_lengths)
+        args = (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n)
+        res = None
+        if self._steps is not None and T <= STEP_MAX_T:
+            res = self._steps.mtp(*args)
+        if res is None:
+            res = self._mtp(*args)
+        for s in slots:
+            cache.mtp_lengths[s] += T
+        return MTPOutput(*res)
+
+    def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n):
+        """The tensor work of `mtp_forward` -> (post-norm hidden, logits or None)."""
         blk = self.blk[n]
         nx = blk.nextn
-        B, T = tokens.shape
         emb = self.embed(tokens) if nx.embed_tokens is None else nx.embed_tokens.weight[tokens].float()
         u = nx.combine(emb, hidden)
+        kv = None
         if cache is not None:
-            if not cache.has_mtp:
-                raise ValueError("this cache was built without MTP KV")
-            slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.mtp_lengths)
             kv = KVView(cache.mtp_k[n], cache.mtp_v[n], slot_idx, positions, n_keys, single)
-        else:
-            positions, kv = torch.arange(T, device=self.device).expand(B, T), None
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         u = u + blk.mixer(blk.attn_norm(u), cos, sin, kv)
         u = blk.feed_forward(u)
-        if cache is not None:
-            for s in slots:
-                cache.mtp_lengths[s] += T
         norm = nx.shared_head_norm if nx.shared_head_norm is not None else self.output_norm
         hm = norm(u)
         rows = self._rows(hm, logits)
         if rows is None:
-            return MTPOutput(hm, None)
+            return hm, None
         lg = matmul_weight(rows, nx.shared_head_head.weight) if nx.shared_head_head is not None \
             else self.head(rows)
-        return MTPOutput(hm, lg)
+        return hm, lg
+
+    # -- compiled steps --------------------------------------------------------------------------
+    def compile_steps(self, mode: str = "auto", *, background: bool = True) -> tuple[str, str]:
+        """Run cached calls of up to STEP_MAX_T tokens (decode steps, MTP drafts, verification) as
+        `torch.compile`d graphs (engine/model/steps.py). mode: 'compiled', 'eager' or 'auto' (compiled
+        when a C++ compiler / Triton is there; MTPCHAT_STEPS=eager|compiled overrides 'auto').
+        background: compile each kind of call in a worker thread, eager until it is ready (default),
+        else compile on first use. Returns (path, why)."""
+        from engine.model.steps import CompiledSteps, choose
+
+        path, why = choose(mode, self.device)
+        self._steps = CompiledSteps(self, why, background=background) if path == "compiled" else None
+        self._steps_status = (path, why)
+        return self.steps_status
+
+    @property
+    def steps_status(self) -> tuple[str, str]:
+        """(path, why): 'compiled' or 'eager', and the reason (see `compile_steps`)."""
+        if self._steps is not None:
+            return self._steps.status()
+        return self._steps_status
 
 
 # -- loading -------------------------------------------------------------------------------------

@@ -46,12 +46,32 @@ class MoE(nn.Module):
         probs = torch.softmax(self.ffn_gate_inp(x2).float(), dim=-1)     # [N, X]
         top_w, top_i = probs.topk(self.n_used, dim=-1)                   # [N, k]
         top_w = top_w / top_w.sum(-1, keepdim=True)
+        if torch.compiler.is_compiling() and isinstance(self.ffn_gate_exps.weight, torch.Tensor):
+            routed = self._gathered(x2, top_i, top_w)   # no data-dependent control flow to trace
+        else:
+            routed = self._by_expert(x2, top_i, top_w)
+        shared = self.ffn_down_shexp(F.silu(self.ffn_gate_shexp(x2)) * self.ffn_up_shexp(x2))
+        out = routed + torch.sigmoid(self.ffn_gate_inp_shexp(x2)) * shared
+        return out.reshape(shape)
+
+    def _gathered(self, x2, top_i, top_w):
+        """The compiled step's form (a few rows): each row multiplies the gathered weights of its k
+        experts: the products of `_by_expert`, summed in another order (last-bit differences)."""
+        def proj(w, h):   # w [X, out, in], h [N, k, in] -> [N, k, out]
+            wk = w[top_i]
+            return torch.einsum("nki,nkoi->nko", h.to(wk.dtype), wk).float()
+
+        xk = x2[:, None, :].expand(-1, top_i.shape[1], -1)
+        g = proj(self.ffn_gate_exps.weight, xk)
+        u = proj(self.ffn_up_exps.weight, xk)
+        y = proj(self.ffn_down_exps.weight, F.silu(g) * u)                  # [N, k, E]
+        return (y * top_w[..., None]).sum(1)
+
+    def _by_expert(self, x2, top_i, top_w):
         routed = torch.zeros_like(x2, dtype=torch.float32)
         for e in torch.unique(top_i).tolist():
             rows, which = torch.nonzero(top_i == e, as_tuple=True)
             h = x2[rows]
             y = self.ffn_down_exps(F.silu(self.ffn_gate_exps(h, e)) * self.ffn_up_exps(h, e), e)
             routed = routed.index_add(0, rows, y * top_w[rows, which, None])
-        shared = self.ffn_down_shexp(F.silu(self.ffn_gate_shexp(x2)) * self.ffn_up_shexp(x2))
-        out = routed + torch.sigmoid(self.ffn_gate_inp_shexp(x2)) * shared
-        return out.reshape(shape)
+        return routed

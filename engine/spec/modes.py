@@ -6,3 +6,4 @@ HIDDEN_MODES = ("post-norm", "pre-norm")      # which main hidden state feeds th
 ROLLBACK_MODES = ("per_step", "redecode")     # GDN rollback: per-step states (§3.5) or re-decode (§3.6)
 DEFAULT_MODE = "auto"                         # CLARIFICATIONS: the default of generate, serve and the app
 DEFAULT_DRAFT = 3
+STEP_MODES = ("auto", "compiled", "eager")   # `--steps`: how cached decode steps run (engine/model/steps.py)

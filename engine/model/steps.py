@@ -1,0 +1,229 @@
+"""The compiled decode step: `torch.compile` over the whole cached forward of a few tokens (a decode
+step, an MTP draft row, a verification of k+1 rows), so a small model's step runs as a handful of
+fused C++ (CPU) or Triton (CUDA) kernels instead of hundreds of eager operations.
+
+Shapes are dynamic (cache lengths, positions and T are symbolic), so one graph serves every step of a
+kind; each kind (one or several sequences, T = 1 or more, which logits, per-step GDN states) compiles
+once, which takes seconds to a minute. So by default (`background=True`) a kind's first calls run
+eagerly while a worker thread compiles it on a small scratch cache of the same layout; later calls of
+that kind run compiled. `foreground` compiles on first use instead (blocking). Each model gets code
+objects of its own (dynamo's recompile limit counts per code object). Without a toolchain (no C++
+compiler on PATH for CPU, no Triton for CUDA), with MTPCHAT_STEPS=eager, or after any compile failure
+the eager path runs the same math.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import logging
+import os
+import queue
+import threading
+import types
+
+import torch
+
+from engine.errors import InputError, MtpchatError
+from engine.spec.modes import STEP_MODES
+
+log = logging.getLogger(__name__)
+
+_RECOMPILE_LIMIT = 64      # per code object: {one, several sequences} x {T = 1, T > 1} x logits x steps
+_SCRATCH_START = 23        # scratch cache length before a warm-up call (not 0/1, not a model dimension)
+_ids = itertools.count()
+
+
+def _cxx() -> str | None:
+    from engine.kernels.fused import _compiler
+    return _compiler()
+
+
+def choose(mode: str, device: torch.device | str) -> tuple[str, str]:
+    """('compiled' | 'eager', why) for a requested mode on a device. MTPCHAT_STEPS=eager|compiled
+    overrides 'auto'; 'compiled' without a toolchain is an InputError."""
+    if mode not in STEP_MODES:
+        raise InputError(f"steps: one of {', '.join(STEP_MODES)}, got {mode!r}")
+    forced = os.environ.get("MTPCHAT_STEPS", "").strip().lower()
+    if mode == "auto" and forced in ("compiled", "eager"):
+        mode = forced
+        origin = f"MTPCHAT_STEPS={forced}"
+    else:
+        origin = f"steps={mode}"
+    if mode == "eager":
+        return "eager", origin
+    device = torch.device(device)
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return _unavailable(mode, "no Triton (torch.compile's CUDA backend needs it)")
+        return "compiled", "torch.compile (inductor, Triton)"
+    if device.type != "cpu":
+        return _unavailable(mode, f"no compiled step for device {device.type}")
+    cxx = _cxx()
+    if cxx is None:
+        return _unavailable(mode, "no C++ compiler on PATH (torch.compile's CPU backend needs one)")
+    return "compiled", f"torch.compile (inductor C++) with {cxx}"
+
+
+def _unavailable(mode: str, why: str) -> tuple[str, str]:
+    if mode == "compiled":
+        raise InputError(f"steps: compiled steps are not available here: {why}")
+    return "eager", why
+
+
+def _fresh(fn, name: str):
+    """A copy of `fn` with a code object of its own (dynamo keeps compiled entries per code object)."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _main_step(model, *args):
+    # T > 1 uses the chunked delta rule: one vectorised pass for any verification length
+    return model._main(*args, recurrent_max_t=1)
+
+
+def _mtp_step(model, *args):
+    return model._mtp(*args)
+
+
+class CompiledSteps:
+    """The compiled `_main` / `_mtp` of one model. `main(*args)` / `mtp(*args)` take the arguments of
+    `Qwen35Model._main` / `_mtp` and return the result, or None when this kind of call is not compiled
+    (yet): the caller then runs the eager method."""
+
+    def __init__(self, model, why: str, *, background: bool = True):
+        cfg = torch._dynamo.config
+        if getattr(cfg, "recompile_limit", _RECOMPILE_LIMIT) < _RECOMPILE_LIMIT:
+            cfg.recompile_limit = _RECOMPILE_LIMIT
+        n = next(_ids)
+        self.model, self.why, self.background = model, why, background
+        self._fns = {"main": torch.compile(_fresh(_main_step, f"mtpchat_main_step_{n}"), dynamic=True),
+                     "mtp": torch.compile(_fresh(_mtp_step, f"mtpchat_mtp_step_{n}"), dynamic=True)}
+        self._ready: set[tuple] = set()        # kinds of call compiled and warm
+        self._queued: set[tuple] = set()
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._failed: str | None = None
+        self._closed = False
+        self.n_compiled_calls = 0
+
+    # -- state -------------------------------------------------------------------------------------
+    def status(self) -> tuple[str, str]:
+        if self._failed is not None:
+            return "eager", self._failed
+        how = "compiled in the background, eager until ready" if self.background else "compiled on first use"
+        return "compiled", f"{self.why}; {how}"
+
+    @property
+    def kinds_ready(self) -> int:
+        return len(self._ready)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued kind is compiled (or failed). True when nothing is pending."""
+        if self._worker is None or not self._worker.is_alive():
+            return True
+        done = threading.Event()
+        self._jobs.put(done)
+        return done.wait(timeout)
+
+    # -- calls -------------------------------------------------------------------------------------
+    def main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps):
+        key = ("main", single is not None, tokens.shape[1], logits, bool(gdn_steps), cache.n_slots == 1,
+               cache.kv_dtype)
+        return self._call(key, (tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps),
+                          tokens.shape, None)
+
+    def mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n):
+        key = ("mtp", single is not None, tokens.shape[1], logits, n, cache.n_slots == 1, cache.kv_dtype)
+        return self._call(key, (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n),
+                          tokens.shape, hidden)
+
+    def _call(self, key, args, shape, hidden):
+        if self._failed is not None:
+            return None
+        if key not in self._ready and self.background:
+            if key not in self._queued and not self._closed:
+                self._queued.add(key)
+                self._jobs.put((key, tuple(shape), args))
+                self._start_worker()
+            return None
+        fn = self._fns[key[0]]
+        try:
+            out = fn(self.model, *args)      # dynamo serialises compilations itself
+            self._ready.add(key)
+            self.n_compiled_calls += 1
+            return out
+        except MtpchatError:
+            raise
+        except Exception as exc:   # no working toolchain at run time: the eager path runs the same math
+            self._fail(exc)
+            return None
+
+    # -- background compilation ---------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            # not a daemon: interpreter shutdown while inductor compiles aborts the process, so at exit
+            # the queue is dropped and the compilation in progress is waited for
+            self._worker = threading.Thread(target=self._work, name="mtpchat-compile")
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                register(self.close)
+            self._worker.start()
+
+    def close(self) -> None:
+        """Drop the kinds still queued; the one compiling finishes (the worker then exits)."""
+        self._closed = True
+        self._jobs.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, threading.Event):
+                job.set()
+                continue
+            key, shape, args = job
+            if self._failed is not None or self._closed:
+                continue
+            try:
+                with torch.inference_mode():
+                    self._warm(key, shape, args)
+                self._ready.add(key)
+                log.info("compiled step ready: %s", key[:5])
+            except Exception as exc:
+                self._fail(exc)
+
+    def _warm(self, key, shape, args) -> None:
+        """Run the kind of call `key` once on a scratch cache shaped like the real one (same slots and
+        dtypes, a short context), so the real calls find the compiled graph."""
+        from engine.model.cache import ModelCache
+
+        m = self.model
+        real = args[1] if key[0] == "main" else args[2]
+        single = args[5] if key[0] == "main" else args[6]
+        B, T = shape
+        # made like the real cache (an inference tensor or not: guards check the dispatch keys)
+        with torch.inference_mode(real.buffers()[0].is_inference()):
+            scratch = ModelCache(m.cfg, real.n_slots, _SCRATCH_START + T + 16, device=real.device,
+                                 kv_dtype=real.kv_dtype, mtp=real.has_mtp)
+        if single is not None:
+            slots = [single[0]]
+            start = single[1] if single[1] < 2 else _SCRATCH_START
+        else:
+            slots = list(range(B))
+            start = _SCRATCH_START
+        lengths = [start] * real.n_slots
+        slots, slot_idx, positions, n_keys, single_s = m._slots(scratch, slots, B, T, lengths)
+        tokens = torch.zeros(shape, dtype=torch.long, device=m.device)
+        if key[0] == "main":
+            rest = args[6:]
+            call = (tokens, scratch, slot_idx, positions, n_keys, single_s, *rest)
+        else:
+            hidden = torch.zeros(B, T, m.cfg.n_embd, dtype=args[1].dtype, device=m.device)
+            call = (tokens, hidden, scratch, slot_idx, positions, n_keys, single_s, *args[7:])
+        self._fns[key[0]](m, *call)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failed = f"torch.compile failed ({type(exc).__name__}: {str(exc)[:200]})"
+        log.warning("compiled steps unavailable, using the eager path: %s", exc)

@@ -1,0 +1,119 @@
+"""Compiled decode steps (engine/model/steps.py): the same greedy tokens and logits (1e-3 relative) as
+the eager path on the fixture models, for plain decoding, MTP rounds and several sequences; the
+background mode runs eager until a kind of step is compiled; every failure falls back to eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.model.steps as steps_mod
+from engine.errors import InputError
+from engine.model import ModelCache, load_model
+from engine.spec.decode import SpecDecoder, SpecOptions
+from engine.spec.stops import StopRule
+from tests.conftest import fixture_path
+from tests.engine.model.conftest import get_ref
+
+needs_cxx = pytest.mark.skipif(steps_mod._cxx() is None, reason="no C++ compiler for torch.compile's CPU backend")
+
+MODELS = {"dense": ("models/tiny-qwen35-f32.gguf", "ref/tiny-qwen35.npz"),
+          "moe": ("models/tiny-qwen35moe-q8_0.gguf", "ref/tiny-qwen35moe.npz")}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def _prompts(ref):
+    s = ref["ppl_tokens"]
+    return [ref["prompt_7"].tolist(), ref["prompt_33"].tolist(), s[4000:4021].tolist()]
+
+
+def _gen(model, prompts, mode, k, n=32):
+    dec = SpecDecoder(model, SpecOptions(mode=mode, n_draft=k))
+    return [r.tokens for r in dec.generate(prompts, StopRule(max_tokens=n))]
+
+
+def test_choose_modes(monkeypatch):
+    monkeypatch.delenv("MTPCHAT_STEPS", raising=False)
+    assert steps_mod.choose("eager", "cpu") == ("eager", "steps=eager")
+    monkeypatch.setenv("MTPCHAT_STEPS", "eager")
+    assert steps_mod.choose("auto", "cpu") == ("eager", "MTPCHAT_STEPS=eager")
+    monkeypatch.delenv("MTPCHAT_STEPS")
+    monkeypatch.setattr(steps_mod, "_cxx", lambda: None)
+    path, why = steps_mod.choose("auto", "cpu")
+    assert path == "eager" and "no C++ compiler" in why
+    with pytest.raises(InputError, match="steps: compiled steps are not available here: no C\\+\\+ compiler"):
+        steps_mod.choose("compiled", "cpu")
+    with pytest.raises(InputError, match="steps: one of auto, compiled, eager"):
+        steps_mod.choose("fast", "cpu")
+
+
+@needs_cxx
+@pytest.mark.parametrize("name", [pytest.param("dense"), pytest.param("moe", marks=pytest.mark.slow)])
+def test_compiled_steps_match_eager(name):
+    """Foreground compilation: plain decoding and MTP rounds (k = 3, one and two sequences) give the
+    eager path's greedy tokens; one decode step's logits agree within 1e-3 relative."""
+    path, ref_path = MODELS[name]
+    ref = get_ref(ref_path)
+    eager = load_model(fixture_path(path))
+    fast = load_model(fixture_path(path))
+    assert fast.compile_steps("compiled", background=False)[0] == "compiled"
+    prompts = _prompts(ref)
+    for mode, k in (("off", 1), ("on", 3)):
+        want = _gen(eager, prompts[:1], mode, k) + _gen(eager, prompts[1:], mode, k)
+        got = _gen(fast, prompts[:1], mode, k) + _gen(fast, prompts[1:], mode, k)
+        assert got == want, (name, mode)
+    assert fast._steps.n_compiled_calls > 0 and fast.steps_status[0] == "compiled"
+    assert got[0][:24] == ref["greedy_7"].tolist()
+    with torch.inference_mode():
+        caches = [ModelCache(m.cfg, 1, 64) for m in (eager, fast)]
+        tok = torch.tensor([prompts[0]])
+        outs = []
+        for m, c in zip((eager, fast), caches, strict=True):
+            m.forward(tok, c, logits="none")
+            outs.append(m.forward(tok[:, :1], c, logits="all").logits)
+    scale = outs[0].abs().max()
+    assert (outs[1] - outs[0]).abs().max() <= 1e-3 * scale
+
+
+@needs_cxx
+def test_background_mode_runs_eager_until_compiled():
+    path, ref_path = MODELS["dense"]
+    prompts = _prompts(get_ref(ref_path))[:1]
+    eager = load_model(fixture_path(path))
+    fast = load_model(fixture_path(path))
+    fast.compile_steps("compiled", background=True)
+    want = _gen(eager, prompts, "on", 2)
+    first = _gen(fast, prompts, "on", 2)
+    assert fast._steps.drain(timeout=600)
+    assert fast._steps.kinds_ready > 0
+    before = fast._steps.n_compiled_calls
+    second = _gen(fast, prompts, "on", 2)
+    assert first == want and second == want
+    assert fast._steps.n_compiled_calls > before
+    fast._steps.close()
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    path, ref_path = MODELS["dense"]
+    prompts = _prompts(get_ref(ref_path))[:1]
+    monkeypatch.setattr(steps_mod, "_cxx", lambda: "/usr/bin/c++")
+    eager = load_model(fixture_path(path))
+    fast = load_model(fixture_path(path))
+    fast.compile_steps("compiled", background=False)
+
+    def broken(*a, **k):
+        raise RuntimeError("no toolchain")
+
+    fast._steps._fns = {"main": broken, "mtp": broken}
+    assert _gen(fast, prompts, "on", 3) == _gen(eager, prompts, "on", 3)
+    path_, why = fast.steps_status
+    assert path_ == "eager" and "torch.compile failed (RuntimeError: no toolchain)" in why
