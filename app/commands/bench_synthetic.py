@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = speed.measure_read_bandwidth()  # first: its buffer is freed before the model exists
     f = synthetic.build_synthetic(f"{shape}:{typ}", seed=args.seed)
     model = load_model(f, packed=args.path == "packed")
+    # whole-step compilation of a 24-block model takes minutes per kind of step: only when asked for
+    steps = model.compile_steps("compiled", background=False) if args.steps == "compiled" else \
+        ("eager", "the synthetic bench compiles whole steps only with --steps compiled")
     try:
         verify_k = tuple(int(k) for k in args.verify_k.split(",") if k.strip())
     except ValueError:
@@ -74,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
                                    repeats=args.bench_repeats, verify_k=verify_k)
     doc = {"model": f"synthetic {shape}:{typ}", "shape": shape, "type": typ,
            "file_bytes": synthetic.file_bytes(shape, typ), "path": args.path,
-           **speed.run_speed(model, settings, profile=args.profile, bandwidth=bandwidth), "gpu": speed.gpu_row()}
+           "steps": dict(zip(("path", "why"), steps, strict=True)),
+           **speed.run_speed(model, settings, profile=args.profile, bandwidth=bandwidth)}
+    del model
+    doc["gpu"] = speed.gpu_row(f, settings)
     doc["rss_over_file"] = round(doc["peak_rss_bytes"] / doc["file_bytes"], 3)
     if args.json:
         sys.stdout.write(json.dumps(doc) + "\n")
@@ -111,7 +117,11 @@ def _table(doc: dict) -> None:
         ("host (Python) time per step", f"{doc['host_ms_per_step']:.2f} ms"),
         ("peak RSS", f"{doc['peak_rss_bytes']:,} bytes ({doc['rss_over_file']:.2f}x the file)"),
         ("weights", ", ".join(f"{k}: {v}" for k, v in cp["weights"].items())),
-        ("GPU", doc["gpu"].get("reason") or doc["gpu"].get("device", "")),
+        ("decode steps", f"{doc['steps']['path']} ({doc['steps']['why']})"),
+        ("GPU", doc["gpu"].get("reason") or (
+            f"{doc['gpu']['device']}: bf16 decode {doc['gpu']['decode_tok_s']:.1f} tok/s "
+            f"({doc['gpu']['bound_pct']:.0f} % of {doc['gpu']['read_bandwidth_gbs']:.0f} GB/s), "
+            f"prefill {doc['gpu']['prefill_tok_s']:.0f} tok/s" if "decode_tok_s" in doc["gpu"] else doc["gpu"]["device"])),
         ("load average before/after", f"{doc['load_average_before'][0]:.2f} / {doc['load_average_after'][0]:.2f}"),
     ]
     for r in rows:

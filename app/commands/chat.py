@@ -50,7 +50,7 @@ class TerminalChat:
         self.tokenizer = Tokenizer.from_gguf(f)
         self.template = ChatTemplate.from_tokenizer_metadata(f.metadata, self.tokenizer)
         model = load_model(f)
-        model.compile_steps(steps, background=steps == "auto")
+        self.steps_status = model.compile_steps(steps, background=steps == "auto")
         n_ctx = min(4096, model.cfg.context_length)
         backend = ModelBackend(model, self.tokenizer.special.eog, 1, n_ctx)
         self.scheduler = Scheduler(backend, text_factory(self.tokenizer.token_bytes), default_mtp=mtp,
@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     chat = TerminalChat(path, mtp=args.mtp, draft=args.draft, max_tokens=args.max_tokens,
                         temperature=args.temperature, system=args.system, think=not args.no_think,
                         steps=args.steps)
-    sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}). {HELP}\n")
+    path_, why = chat.steps_status
+    sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}; steps {path_}: {why}). {HELP}\n")
     try:
         while True:
             try:

@@ -114,7 +114,8 @@ def build_state(args: argparse.Namespace):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or (
         torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     model = load_model(f, device=args.device, dtype=dtype)
-    model.compile_steps(args.steps, background=args.steps == "auto")
+    steps_path, steps_why = model.compile_steps(args.steps, background=args.steps == "auto")
+    logging.getLogger("mtpchat.serve").info("decode steps: %s (%s)", steps_path, steps_why)
     cfg = model.cfg
     n_ctx_slot = args.ctx // args.parallel if args.ctx else min(4096, cfg.context_length)
     if n_ctx_slot < 16:
@@ -125,7 +126,8 @@ def build_state(args: argparse.Namespace):
                           default_draft=args.draft, queue_timeout_s=args.queue_timeout)
     alias = args.alias or Path(path).name.removesuffix(".gguf")
     meta = {"arch": cfg.arch, "n_vocab": cfg.n_vocab, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-            "n_ctx_train": cfg.context_length, "has_mtp": cfg.has_mtp, "n_parallel": args.parallel}
+            "n_ctx_train": cfg.context_length, "has_mtp": cfg.has_mtp, "n_parallel": args.parallel,
+            "steps": steps_path}
     scfg = ServerConfig(alias=alias, model_path=str(path), n_parallel=args.parallel, n_ctx_slot=n_ctx_slot,
                         n_vocab=tokenizer.n_vocab, model_meta=meta, api_key=args.api_key or None,
                         allowed_hosts=tuple(args.allowed_host), cors_origins=tuple(args.cors_origin),

@@ -28,14 +28,18 @@ class SpeedSettings:
     bandwidth_mib: int = 256      # buffer read for the bandwidth figure (far beyond the caches)
 
 
-def measure_read_bandwidth(mib: int = 256, repeats: int = 9) -> list[float]:
-    """GB/s of `torch.sum` over a float32 buffer of `mib` MiB with the current torch threads."""
-    buf = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
-    buf.sum()
+def measure_read_bandwidth(mib: int = 256, repeats: int = 9, device: torch.device | str = "cpu") -> list[float]:
+    """GB/s of `torch.sum` over a float32 buffer of `mib` MiB with the current torch threads (on a GPU:
+    its memory; the buffer is 16x larger there, beyond its caches)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        mib *= 16
+    buf = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32, device=device)
+    float(buf.sum())
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        buf.sum()
+        float(buf.sum())
         out.append(buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
     del buf
     return out
@@ -94,14 +98,20 @@ def run_speed(model, settings: SpeedSettings = SpeedSettings(), profile: bool = 
     """Measure one loaded model (CPU). See the module docstring for what. `bandwidth`: GB/s samples
     measured earlier in the same run (before the model was built, so the buffer does not add to the
     peak RSS); measured here when None."""
+    from engine.memory import engine_kv_dtype
     from engine.model.cache import ModelCache
 
     s = settings
     cfg = model.cfg
+    dev = model.device
     gen = torch.Generator().manual_seed(0)
     n_ctx = s.prompt_tokens + s.decode_tokens + 64
-    prompt = torch.randint(0, cfg.n_vocab, (1, s.prompt_tokens), generator=gen)
-    bw = bandwidth or measure_read_bandwidth(s.bandwidth_mib)
+    prompt = torch.randint(0, cfg.n_vocab, (1, s.prompt_tokens), generator=gen).to(dev)
+    bw = bandwidth or measure_read_bandwidth(s.bandwidth_mib, device=dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     res: dict = {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
                  "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                  "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
@@ -110,7 +120,8 @@ def run_speed(model, settings: SpeedSettings = SpeedSettings(), profile: bool = 
     res["compute_path"] = {"kernels": mode, "why": reason, "weights": weight_inventory(model)}
 
     with torch.inference_mode():
-        cache = ModelCache(cfg, 1, n_ctx, mtp=cfg.has_mtp)
+        cache = ModelCache(cfg, 1, n_ctx, mtp=cfg.has_mtp, device=dev,
+                           kv_dtype={"bf16": torch.bfloat16, "f32": torch.float32}[engine_kv_dtype(dev.type)])
         # warm-up: compiles every kernel the timed runs use (prefill, decode, verify rows, MTP)
         out = model.forward(prompt, cache, logits="last")
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -128,6 +139,7 @@ def run_speed(model, settings: SpeedSettings = SpeedSettings(), profile: bool = 
             cache.reset(0)
             t0 = time.perf_counter()
             out = model.forward(prompt, cache, logits="last")
+            sync()
             pre.append(time.perf_counter() - t0)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         hidden = out.hidden[:, -1:]
@@ -159,6 +171,7 @@ def run_speed(model, settings: SpeedSettings = SpeedSettings(), profile: bool = 
                 ver[k].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 cache.rollback(o.gdn_steps, [1])
+                sync()
                 back.append(time.perf_counter() - t0)
                 cache.truncate(0, cache.lengths[0] - 1)
             if cfg.has_mtp:
@@ -215,8 +228,22 @@ def _host_time(model, cache, tok, profile: bool) -> tuple[float, str | None]:
     return max(0.0, wall_us - in_ops) / 1e3, table
 
 
-def gpu_row() -> dict:
-    """The GPU part of the bench: a reason when there is no CUDA device."""
+def gpu_row(f=None, settings: SpeedSettings = SpeedSettings()) -> dict:
+    """The GPU part of the bench: the same measurement with bf16 weights and KV on the first CUDA
+    device (when a model file `f` is given), or the reason there is none."""
     if not torch.cuda.is_available():
         return {"available": False, "reason": "no CUDA device"}
-    return {"available": True, "device": torch.cuda.get_device_name(0)}
+    row = {"available": True, "device": torch.cuda.get_device_name(0)}
+    if f is not None:
+        from engine.model import load_model
+
+        model = load_model(f, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.reset_peak_memory_stats()
+        res = run_speed(model, settings)
+        keep = ("read_bandwidth_gbs", "bytes_per_decode_step", "decode_tok_s", "decode_step_ms", "bound_tok_s",
+                "bound_pct", "prefill_tok_s", "verify_cost", "mtp_draft_cost", "rollback_cost",
+                "host_ms_per_step")
+        row.update({k: res[k] for k in keep}, dtype="bfloat16", peak_cuda_bytes=torch.cuda.max_memory_allocated())
+        del model
+        torch.cuda.empty_cache()
+    return row

@@ -52,3 +52,25 @@ def test_cli_session_and_bad_flag(model_path):
     r = subprocess.run([sys.executable, "-m", "app", "chat", "--draft", "0"], capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: --draft: 0 not in 1..8"]
+
+
+@pytest.mark.parametrize("mtp", [pytest.param("off"), pytest.param("on", marks=pytest.mark.slow)])
+def test_compiled_steps_give_the_eager_replies(model_path, mtp):
+    """The scheduler's batched rounds (the server's and the chat's path) on compiled steps, compiled
+    before first use: the same two replies as eager."""
+    from app.commands.chat import TerminalChat
+    from engine.model.steps import _cxx
+
+    if _cxx() is None:
+        pytest.skip("no C++ compiler for torch.compile's CPU backend")
+    replies = {}
+    for steps in ("eager", "compiled"):
+        chat = TerminalChat(model_path, mtp=mtp, draft=3, max_tokens=12, temperature=0.0, system="Be brief.",
+                            think=False, steps=steps)
+        try:
+            out = io.StringIO()
+            replies[steps] = (chat.reply("Hello there", out), chat.reply("And then?", out))
+            assert chat.steps_status[0] == steps
+        finally:
+            chat.close()
+    assert replies["compiled"] == replies["eager"]
