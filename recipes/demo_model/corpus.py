@@ -437,7 +437,9 @@ def conversation_seed(split: str, index: int, base_seed: int = BASE_SEED) -> int
     return int.from_bytes(h[:8], "little")
 
 
-def make_conversation(split: str, index: int, base_seed: int = BASE_SEED) -> Conversation:
+def make_conversation(split: str, index: int, base_seed: int = BASE_SEED,
+                      topic_weights: dict[str, float] | None = None) -> Conversation:
+    """topic_weights: override some topics' weights (a later training stage's mix); None: TOPICS."""
     rng = random.Random(conversation_seed(split, index, base_seed))
     with_tools = rng.random() < 0.55
     n_turns = rng.choices([1, 2, 3], weights=[0.5, 0.35, 0.15])[0]
@@ -445,7 +447,7 @@ def make_conversation(split: str, index: int, base_seed: int = BASE_SEED) -> Con
     if rng.random() < 0.4:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
     names = list(TOPICS)
-    weights = [TOPICS[n][1] for n in names]
+    weights = [(topic_weights or {}).get(n, TOPICS[n][1]) for n in names]
     exchanges = []
     for _ in range(n_turns):
         topic = rng.choices(names, weights=weights)[0]
@@ -522,8 +524,9 @@ def split_sizes() -> dict[str, int]:
     return {"train": 60000, "test": 600}
 
 
-def corpus_texts(split: str, n: int, base_seed: int = BASE_SEED) -> list[str]:
-    return [render_conversation(make_conversation(split, i, base_seed)) for i in range(n)]
+def corpus_texts(split: str, n: int, base_seed: int = BASE_SEED,
+                 topic_weights: dict[str, float] | None = None) -> list[str]:
+    return [render_conversation(make_conversation(split, i, base_seed, topic_weights)) for i in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,15 +170,21 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: int, lr: float,
           seed: int, threads: int, log_every: int = 10, stop_after: int | None = None,
           init_from: Path | None = None, decision_weight: float = 1.0, gen_prompt_split: bool = False,
-          choice_weight: float = 1.0) -> dict:
+          choice_weight: float = 1.0, topic_weights: dict[str, float] | None = None) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     texts = corpus.corpus_texts("train", n_conv)
-    tok = tokenizer_train.build_tokenizer(texts[: tokenizer_train.N_TEXTS])
+    tok = tokenizer_train.build_tokenizer(texts[: tokenizer_train.N_TEXTS])   # always the stage-1 corpus
     tok.save(str(out_dir / "tokenizer.json"))
-    has_tools = [corpus.make_conversation("train", i).tools is not None for i in range(n_conv)]
+    if init_from is not None and (init_from.parent / "tokenizer.json").is_file():
+        if (init_from.parent / "tokenizer.json").read_bytes() != (out_dir / "tokenizer.json").read_bytes():
+            raise RuntimeError(f"tokenizer differs from the one {init_from} was trained with")
+    if topic_weights:                # a later stage's mix: other conversations, same vocabulary
+        texts = corpus.corpus_texts("train", n_conv, topic_weights=topic_weights)
+    has_tools = [corpus.make_conversation("train", i, topic_weights=topic_weights).tools is not None
+                 for i in range(n_conv)]
     prefix, samples = split_prefix(encode_corpus(tok, texts, decision_weight, gen_prompt_split, choice_weight),
                                    has_tools)
     prefix_tokens = torch.tensor([prefix])
@@ -235,6 +241,7 @@ def train(out_dir: Path, *, steps: int, n_conv: int, max_tokens: int, max_len: i
                out_dir / "checkpoint.pt")
     summary = {"steps": steps, "n_conv": n_conv, "max_tokens": max_tokens, "lr": lr, "seed": seed,
                "gen_prompt_split": gen_prompt_split, "choice_weight": choice_weight,
+               "topic_weights": topic_weights,
                "threads": threads, "data_s": round(t_data, 1), "train_s": round(train_s, 1),
                "final": history[-1], "history": history}
     (out_dir / "train_log.json").write_text(json.dumps(summary, indent=1))
@@ -247,6 +254,16 @@ def load_checkpoint(path: Path) -> DemoModel:
     model.init_weights(torch.Generator().manual_seed(0))   # registers the ssm_a parametrization
     model.load_state_dict(ck["state_dict"])
     return model
+
+
+def _topic_weights(specs: list[str]) -> dict[str, float] | None:
+    out = {}
+    for spec in specs:
+        name, _, w = spec.partition("=")
+        if name not in corpus.TOPICS or not w:
+            raise SystemExit(f"--topic-weight: expected TOPIC=W with TOPIC in {sorted(corpus.TOPICS)}, got {spec!r}")
+        out[name] = float(w)
+    return out or None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--choice-weight", type=float, default=1.0,
                    help="with --gen-prompt-split: loss weight of the token after [<think>, \\n] "
                         "(empty or written reasoning, i.e. answer or tool call)")
+    p.add_argument("--topic-weight", action="append", default=[], metavar="TOPIC=W",
+                   help="override a topic's weight in corpus.TOPICS for this stage (repeatable)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="run only the first N steps of the schedule (reproducibility probe; no checkpoint)")
     a = p.parse_args(argv)
@@ -275,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     s = train(a.out, steps=a.steps, n_conv=a.n_conv, max_tokens=a.max_tokens, max_len=a.max_len, lr=a.lr,
               seed=a.seed, threads=a.threads, stop_after=a.stop_after,
               init_from=a.init_from, decision_weight=a.decision_weight,
-              gen_prompt_split=a.gen_prompt_split, choice_weight=a.choice_weight)
+              gen_prompt_split=a.gen_prompt_split, choice_weight=a.choice_weight,
+              topic_weights=_topic_weights(a.topic_weight))
     log.info("done: %s", {k: v for k, v in s.items() if k != "history"})
     return 0
 

@@ -74,3 +74,27 @@ def test_assistant_spans_cover_the_replies_and_their_end_token():
     spans = assistant_spans(text)
     assert spans and all(text[e - len("<|im_end|>"):e] == "<|im_end|>" for _, e in spans)
     assert all(text[s - len("<|im_start|>assistant\n"):s] == "<|im_start|>assistant\n" for s, _ in spans)
+
+
+def test_a_later_stages_topic_mix_changes_only_the_topic_draws():
+    default = [corpus.make_conversation("train", i) for i in range(300)]
+    assert [c.messages for c in default] == [corpus.make_conversation("train", i, topic_weights=None).messages
+                                             for i in range(300)]
+    boosted = [corpus.make_conversation("train", i, topic_weights={"file": 0.4}) for i in range(300)]
+    n_file = [sum(e.kind == "file" for c in cs for e in c.exchanges) for cs in (default, boosted)]
+    assert n_file[1] > 2 * n_file[0]
+    assert [c.tools is None for c in boosted] == [c.tools is None for c in default]
+
+
+def test_follow_up_prompts_end_after_a_tool_result_and_name_what_to_quote():
+    from recipes.demo_model.evaluate import followup_prompts, result_strings
+
+    assert result_strings('{"result": 391}') == ["391"]
+    assert result_strings('{"value": 5, "from_unit": "km", "to_unit": "mi", "result": 3.107}') == ["3.107"]
+    assert result_strings('{"timezone": "Asia/Tokyo", "datetime": "2025-03-04T21:07:00+09:00"}') == ["21:07"]
+    assert result_strings('{"error": "file not found: notes.txt"}') == ["notes.txt"]
+    assert result_strings("- milk\n- eggs") == ["- milk", "- eggs"]
+    for conv, msgs, quote in followup_prompts(12):
+        assert msgs[-1]["role"] == "tool" and msgs[-2].get("tool_calls") and quote
+        answer = conv.messages[len(msgs)]["content"]
+        assert all(q in answer for q in quote), (answer, quote)    # the corpus's own answers quote it
