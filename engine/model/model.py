@@ -27,7 +27,7 @@ from engine.model.mtp import NextN
 log = logging.getLogger(__name__)
 
 LOGIT_ROWS = ("all", "last", "none")
-STEP_MAX_T = 16   # cached calls of up to this many tokens run the compiled step when enabled
+STEP_MAX_T = 16   # verifications / MTP drafts of up to this many rows run the compiled step when enabled
 
 
 class Block(nn.Module):
@@ -185,7 +185,8 @@ class Qwen35Model(nn.Module):
         logits: 'all' rows, only the 'last' row, or 'none' (the output head is skipped).
         chunk: delta-rule chunk length for T > 1 (T == 1 uses the recurrent form).
         gdn_steps: also return the GDN state after every token (for `cache.rollback`).
-        Calls with a cache and T <= STEP_MAX_T run the compiled step when `compile_steps` enabled it."""
+        Decode steps (T = 1) and verifications (gdn_steps, T <= STEP_MAX_T) run the compiled step when
+        `compile_steps` enabled it."""
         B, T = tokens.shape
         self._rows_check(logits)
         if cache is None:
@@ -196,8 +197,8 @@ class Qwen35Model(nn.Module):
             slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.lengths)
             args = (tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps)
             res = None
-            if self._steps is not None and T <= STEP_MAX_T:
-                res = self._steps.main(*args)
+            if self._steps is not None and (T == 1 or (gdn_steps and T <= STEP_MAX_T)):
+                res = self._steps.main(*args)     # decode steps and verifications (not prompt pieces)
             if res is None:
                 res = self._main(*args)
             for s in slots:
@@ -282,8 +283,8 @@ class Qwen35Model(nn.Module):
         slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.mtp_lengths)
         args = (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n)
         res = None
-        if self._steps is not None and T <= STEP_MAX_T:
-            res = self._steps.mtp(*args)
+        if self._steps is not None and logits != "none" and T <= STEP_MAX_T:
+            res = self._steps.mtp(*args)          # drafts (not the prompt warm-up or cache commits)
         if res is None:
             res = self._mtp(*args)
         for s in slots:

@@ -225,5 +225,7 @@ class CompiledSteps:
         self._fns[key[0]](m, *call)
 
     def _fail(self, exc: BaseException) -> None:
+        if self._closed:        # interpreter shutdown stopped a compilation: nothing to report
+            return
         self._failed = f"torch.compile failed ({type(exc).__name__}: {str(exc)[:200]})"
         log.warning("compiled steps unavailable, using the eager path: %s", exc)
