@@ -134,7 +134,8 @@ class CompiledSteps:
                           tokens.shape, None)
 
     def mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n):
-        key = ("mtp", single is not None, tokens.shape[1], logits, n, cache.n_slots == 1, cache.kv_dtype)
+        # the MTP graph is dynamic in T (> 1); the main one specialises T (the verification's length)
+        key = ("mtp", single is not None, tokens.shape[1] == 1, logits, n, cache.n_slots == 1, cache.kv_dtype)
         return self._call(key, (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n),
                           tokens.shape, hidden)
 
