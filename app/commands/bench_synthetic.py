@@ -61,6 +61,16 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write((json.dumps(doc) if args.json else f"wrote {args.write_gguf} ({size:,} bytes)") + "\n")
         return 0
     synthetic.check_fits(shape, typ)
+    if args.device == "cuda":       # the GPU measurement alone (without --device cuda it follows the CPU one)
+        if not torch.cuda.is_available():
+            raise InputError("--device: cuda is not available on this machine")
+        settings = speed.SpeedSettings(prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
+                                       repeats=args.bench_repeats)
+        row = speed.gpu_row(synthetic.build_synthetic(f"{shape}:{typ}", seed=args.seed), settings,
+                            steps=args.steps)
+        doc = {"model": f"synthetic {shape}:{typ}", "shape": shape, "type": typ, "gpu": row}
+        sys.stdout.write((json.dumps(doc) if args.json else json.dumps(doc, indent=1)) + "\n")
+        return 0
     bandwidth = speed.measure_read_bandwidth()  # first: its buffer is freed before the model exists
     f = synthetic.build_synthetic(f"{shape}:{typ}", seed=args.seed)
     model = load_model(f, packed=args.path == "packed")
@@ -80,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
            "steps": dict(zip(("path", "why"), steps, strict=True)),
            **speed.run_speed(model, settings, profile=args.profile, bandwidth=bandwidth)}
     del model
-    doc["gpu"] = speed.gpu_row(f, settings)
+    doc["gpu"] = speed.gpu_row(f, settings, steps=args.steps)
     doc["rss_over_file"] = round(doc["peak_rss_bytes"] / doc["file_bytes"], 3)
     if args.json:
         sys.stdout.write(json.dumps(doc) + "\n")

@@ -228,9 +228,10 @@ def _host_time(model, cache, tok, profile: bool) -> tuple[float, str | None]:
     return max(0.0, wall_us - in_ops) / 1e3, table
 
 
-def gpu_row(f=None, settings: SpeedSettings = SpeedSettings()) -> dict:
+def gpu_row(f=None, settings: SpeedSettings = SpeedSettings(), steps: str = "eager") -> dict:
     """The GPU part of the bench: the same measurement with bf16 weights and KV on the first CUDA
-    device (when a model file `f` is given), or the reason there is none."""
+    device (when a model file `f` is given), or the reason there is none. steps='compiled' compiles
+    whole steps (Triton) before timing them."""
     if not torch.cuda.is_available():
         return {"available": False, "reason": "no CUDA device"}
     row = {"available": True, "device": torch.cuda.get_device_name(0)}
@@ -238,6 +239,7 @@ def gpu_row(f=None, settings: SpeedSettings = SpeedSettings()) -> dict:
         from engine.model import load_model
 
         model = load_model(f, device="cuda", dtype=torch.bfloat16)
+        row["steps"] = model.compile_steps("compiled", background=False)[1] if steps == "compiled" else "eager"
         torch.cuda.reset_peak_memory_stats()
         res = run_speed(model, settings)
         keep = ("read_bandwidth_gbs", "bytes_per_decode_step", "decode_tok_s", "decode_step_ms", "bound_tok_s",

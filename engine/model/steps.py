@@ -99,6 +99,10 @@ class CompiledSteps:
         self.model, self.why, self.background = model, why, background
         self._fns = {"main": torch.compile(_fresh(_main_step, f"mtpchat_main_step_{n}"), dynamic=True),
                      "mtp": torch.compile(_fresh(_mtp_step, f"mtpchat_mtp_step_{n}"), dynamic=True)}
+        # held by a compilation and by every compiled call: dynamo refuses a compiled call while another
+        # thread traces ("FX to symbolically trace a dynamo-optimized function"), so while the worker
+        # compiles, the decode thread runs eager instead of waiting
+        self._lock = threading.Lock()
         self._ready: set[tuple] = set()        # kinds of call compiled and warm
         self._queued: set[tuple] = set()
         self._jobs: queue.Queue = queue.Queue()
@@ -149,8 +153,10 @@ class CompiledSteps:
                 self._start_worker()
             return None
         fn = self._fns[key[0]]
+        if not self._lock.acquire(blocking=not self.background):
+            return None                      # the worker is compiling: this step runs eager
         try:
-            out = fn(self.model, *args)      # dynamo serialises compilations itself
+            out = fn(self.model, *args)
             self._ready.add(key)
             self.n_compiled_calls += 1
             return out
@@ -159,6 +165,8 @@ class CompiledSteps:
         except Exception as exc:   # no working toolchain at run time: the eager path runs the same math
             self._fail(exc)
             return None
+        finally:
+            self._lock.release()
 
     # -- background compilation ---------------------------------------------------------------------
     def _start_worker(self) -> None:
@@ -223,7 +231,8 @@ class CompiledSteps:
         else:
             hidden = torch.zeros(B, T, m.cfg.n_embd, dtype=args[1].dtype, device=m.device)
             call = (tokens, hidden, scratch, slot_idx, positions, n_keys, single_s, *args[7:])
-        self._fns[key[0]](m, *call)
+        with self._lock:
+            self._fns[key[0]](m, *call)
 
     def _fail(self, exc: BaseException) -> None:
         if self._closed:        # interpreter shutdown stopped a compilation: nothing to report

@@ -99,6 +99,9 @@ def test_background_mode_runs_eager_until_compiled():
     second = _gen(fast, prompts, "on", 2)
     assert first == want and second == want
     assert fast._steps.n_compiled_calls > before
+    # decoding went on while the worker compiled, and nothing failed (a compiled call during another
+    # thread's tracing would: "FX to symbolically trace a dynamo-optimized function")
+    assert fast.steps_status[0] == "compiled", fast.steps_status
     fast._steps.close()
 
 
