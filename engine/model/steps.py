@@ -97,8 +97,12 @@ class CompiledSteps:
             cfg.recompile_limit = _RECOMPILE_LIMIT
         n = next(_ids)
         self.model, self.why, self.background = model, why, background
-        self._fns = {"main": torch.compile(_fresh(_main_step, f"mtpchat_main_step_{n}"), dynamic=True),
-                     "mtp": torch.compile(_fresh(_mtp_step, f"mtpchat_mtp_step_{n}"), dynamic=True)}
+        # the model's modules never change after loading and each model has code objects of its own, so
+        # guards on module parameters are dropped (about 5 % of a small model's compiled step)
+        opts = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} \
+            if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") else None
+        self._fns = {"main": torch.compile(_fresh(_main_step, f"mtpchat_main_step_{n}"), dynamic=True, options=opts),
+                     "mtp": torch.compile(_fresh(_mtp_step, f"mtpchat_mtp_step_{n}"), dynamic=True, options=opts)}
         # held by a compilation and by every compiled call: dynamo refuses a compiled call while another
         # thread traces ("FX to symbolically trace a dynamo-optimized function"), so while the worker
         # compiles, the decode thread runs eager instead of waiting
