@@ -18,7 +18,11 @@ from tests.engine.model.conftest import get_ref
 needs_cxx = pytest.mark.skipif(steps_mod._cxx() is None, reason="no C++ compiler for torch.compile's CPU backend")
 
 MODELS = {"dense": ("models/tiny-qwen35-f32.gguf", "ref/tiny-qwen35.npz"),
-          "moe": ("models/tiny-qwen35moe-q8_0.gguf", "ref/tiny-qwen35moe.npz")}
+          "moe": ("models/tiny-qwen35moe-q8_0.gguf", "ref/tiny-qwen35moe.npz"),
+          "q8_0": ("models/tiny-qwen35-q8_0.gguf", "ref/tiny-qwen35.npz"),
+          "q6_k": ("models/tiny-qwen35-q6_k.gguf", "ref/tiny-qwen35.npz"),
+          "q4_k_m": ("models/tiny-qwen35-q4_k_m.gguf", "ref/tiny-qwen35.npz"),
+          "iq4_xs": ("models/tiny-qwen35-iq4_xs.gguf", "ref/tiny-qwen35.npz")}
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +61,7 @@ def test_choose_modes(monkeypatch):
 
 
 @needs_cxx
-@pytest.mark.parametrize("name", [pytest.param("dense"), pytest.param("moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "dense" else pytest.mark.slow) for n in MODELS])
 def test_compiled_steps_match_eager(name):
     """Foreground compilation: plain decoding and MTP rounds (k = 3, one and two sequences) give the
     eager path's greedy tokens; one decode step's logits agree within 1e-3 relative."""
@@ -72,7 +76,8 @@ def test_compiled_steps_match_eager(name):
         got = _gen(fast, prompts[:1], mode, k) + _gen(fast, prompts[1:], mode, k)
         assert got == want, (name, mode)
     assert fast._steps.n_compiled_calls > 0 and fast.steps_status[0] == "compiled"
-    assert got[0][:24] == ref["greedy_7"].tolist()
+    if name in ("dense", "moe"):    # the quantized files' greedy text differs from the f32 reference's
+        assert got[0][:24] == ref["greedy_7"].tolist()
     with torch.inference_mode():
         caches = [ModelCache(m.cfg, 1, 64) for m in (eager, fast)]
         tok = torch.tensor([prompts[0]])
