@@ -58,6 +58,8 @@ class _Slot:
     mtp_queue_tokens: list[int] = field(default_factory=list)
     mtp_queue_hidden: list[torch.Tensor] = field(default_factory=list)
     store: CheckpointStore | None = None
+    # the slot's `auto` policy, kept across requests: acceptance and step costs learnt once, not per reply
+    auto: AutoPolicy | None = None
     run: _Run | None = None
     reuse_source: str = "none"
 
@@ -95,7 +97,7 @@ class ModelBackend(SlotBackend):
 
     def begin(self, slot: int, task: int, req: GenerationRequest, mtp: str, n_draft: int) -> int:
         st = self.slots[slot]
-        controller = self._controller(mtp, n_draft)
+        controller = self._controller(mtp, n_draft, st)
         need_mtp = self.has_mtp and controller.uses_mtp
         live = st.live and (not need_mtp or (st.carry is not None and self.cache.mtp_lengths[slot] == len(st.tokens)))
         usable = [c for c in st.store.items if not need_mtp or c.carry is not None]
@@ -206,14 +208,21 @@ class ModelBackend(SlotBackend):
         gen = st.tokens[len(run.req.prompt):]
         return gen + ([run.pending] if run.pending is not None else [])
 
-    def _controller(self, mtp: str, n_draft: int) -> DraftController:
+    def _controller(self, mtp: str, n_draft: int, st: _Slot | None = None) -> DraftController:
         if not self.has_mtp or mtp == "off" or n_draft == 0:
             return FixedPolicy(0)
         if mtp == "on":
             return FixedPolicy(n_draft)
         if mtp == "adaptive":
-            return AdaptiveGate(n_draft)
-        return AutoPolicy(k_max=max(n_draft, 1))
+            return AdaptiveGate(n_draft)      # the seed's gate decides per request
+        k_max = max(n_draft, 1)
+        if st is None:
+            return AutoPolicy(k_max=k_max)
+        if st.auto is None or st.auto.k_max != k_max:
+            st.auto = AutoPolicy(k_max=k_max)
+        else:
+            st.auto.new_request()
+        return st.auto
 
     def _reset(self, slot: int) -> None:
         st = self.slots[slot]

@@ -18,6 +18,7 @@ import torch
 
 from engine.spec.decode import SpecDecoder, SpecOptions
 from engine.spec.events import SpecStats
+from engine.spec.policy import AutoPolicy
 from engine.spec.stops import StopRule
 
 # wall: perf_counter; cpu: this thread's CPU time (stable on a loaded machine when torch runs one thread)
@@ -58,6 +59,20 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
                             for c in configs}
     total, done = repeats * len(prompts) * len(configs), 0
     cuda = model.device.type == "cuda"
+    # `auto` keeps what it learnt across requests on a slot (engine/scheduler): one policy per
+    # configuration here too, carried from run to run; on/adaptive decide per request anyway
+    policies = {c.name: AutoPolicy(k_max=max(c.k, 1)) for c in configs if c.mode == "auto"}
+
+    def factory(cfg: BenchConfig):
+        if cfg.mode != "auto":
+            return None
+        pol = policies[cfg.name]
+
+        def make(_i: int) -> AutoPolicy:
+            pol.new_request()
+            return pol
+        return make
+
     steps = getattr(model, "_steps", None)
     if steps is not None and steps.background:
         # compiled steps: run every configuration until no kind of step is left to compile, so the
@@ -78,7 +93,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
                 acc = per[cfg.name]
                 opt = SpecOptions(mode=cfg.mode, n_draft=max(cfg.k, 1), hidden=hidden,
                                   draft_hook=wrong if wrong_drafts and cfg.mode != "off" else None,
-                                  clock=CLOCKS[clock])
+                                  clock=CLOCKS[clock], controller_factory=factory(cfg))
                 dec = SpecDecoder(model, opt)
                 if cuda:
                     torch.cuda.synchronize()

@@ -65,6 +65,9 @@ class SpecOptions:
     # queued rows (spec §5.3 "lazily"; `sync_mtp()` writes them on demand, e.g. before the cache is
     # reused); False writes one row per step
     lazy_mtp_sync: bool = True
+    # sequence index -> its draft controller (default: a fresh one per sequence from mode/n_draft); the
+    # bench passes one `auto` policy per configuration, kept across runs as a server slot keeps it
+    controller_factory: Callable[[int], DraftController] | None = None
 
     def __post_init__(self):
         if self.hidden not in HIDDEN_MODES:
@@ -161,7 +164,10 @@ class SpecDecoder:
         for i, p in enumerate(prompts):
             seed = None if sampling.seed is None else sampling.seed + i
             smp = Sampler(dataclasses.replace(sampling, seed=seed), self.model.device)
-            ctl = make_controller(self.opt.mode if self.uses_mtp else "off", self.opt.n_draft)
+            if self.opt.controller_factory is not None and self.uses_mtp:
+                ctl = self.opt.controller_factory(i)
+            else:
+                ctl = make_controller(self.opt.mode if self.uses_mtp else "off", self.opt.n_draft)
             seq = _Seq(i, i, list(p), StopChecker(rule, token_bytes), ctl, smp)
             if not sampling.greedy:
                 # one uniform per generated position, drawn up front: token t is always the inverse CDF of

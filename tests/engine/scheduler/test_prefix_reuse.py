@@ -146,3 +146,23 @@ def test_stop_inside_a_round_leaves_only_committed_state(model):
         assert toks == ftoks and cache_n > 0
     finally:
         sched.close()
+
+
+def test_auto_policy_is_kept_per_slot_across_requests(model):
+    """`auto` learns acceptance and step costs once per slot (spec §4): the second request on a slot
+    starts from what the first measured instead of the optimistic prior; other modes start fresh."""
+    backend = ModelBackend(model, frozenset(), 2, 256)
+    sched = Scheduler(backend, CharText)
+    try:
+        run(sched, [5, 6, 7, 8], mtp="auto")
+        first = backend.slots[0].auto
+        assert first is not None and first.t_plain is not None    # calibrated during the first request
+        learnt = first.t_plain
+        run(sched, [9, 10, 11], mtp="auto")
+        assert backend.slots[0].auto is first and first.t_plain is not None
+        assert first.calibration_seen > 3 and learnt > 0
+        assert backend.slots[1].auto is None                      # slot 1 never ran auto
+        run(sched, [9, 10, 11], mtp="on")
+        assert backend.slots[0].auto is first                     # kept for the slot's next auto request
+    finally:
+        sched.close()
