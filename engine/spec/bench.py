@@ -77,9 +77,11 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
     if steps is not None and steps.background:
         # compiled steps: run every configuration until no kind of step is left to compile, so the
         # timed runs measure the compiled path only
+        k_top = max([c.k for c in configs] + [1])
+        warm = [BenchConfig("on", k) for k in range(1, k_top + 1)] + list(configs)   # every verify length
         for _ in range(4):
             before = steps.kinds_ready
-            for cfg in configs:
+            for cfg in warm:
                 opt = SpecOptions(mode=cfg.mode, n_draft=max(cfg.k, 1), hidden=hidden,
                                   draft_hook=wrong if wrong_drafts and cfg.mode != "off" else None)
                 SpecDecoder(model, opt).generate([prompts[0]], StopRule(max_tokens=max_tokens, eos_ids=eos_ids))
