@@ -158,6 +158,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": torch.get_num_threads(), "device": str(model.device), "dtype": str(model.dtype).split(".")[-1],
         "steps": dict(zip(("path", "why"), model.steps_status, strict=True)),
+        "auto_policy": "one per configuration, kept from run to run (as a server slot keeps it)",
     }
 
 
