@@ -34,6 +34,19 @@ def fixture_path(rel: str) -> Path:
 
 
 @pytest.fixture
+def one_torch_thread():
+    """torch on one thread during the test (many small steps: faster so on a 2-core machine)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture
 def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip(f"MTPCHAT_FIXTURES={FIXTURES} does not exist")

@@ -25,14 +25,7 @@ MODELS = {"dense": ("models/tiny-qwen35-f32.gguf", "ref/tiny-qwen35.npz"),
           "iq4_xs": ("models/tiny-qwen35-iq4_xs.gguf", "ref/tiny-qwen35.npz")}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(ref):

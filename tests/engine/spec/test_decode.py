@@ -27,14 +27,7 @@ MODELS = {
 MODES = ("on", "adaptive", "auto")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompts(ref, n_tokens: int = 40) -> list[list[int]]:
