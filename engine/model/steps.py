@@ -139,15 +139,15 @@ class CompiledSteps:
         key = ("main", single is not None, tokens.shape[1], logits, bool(gdn_steps), cache.n_slots == 1,
                cache.kv_dtype)
         return self._call(key, (tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps),
-                          tokens.shape, None)
+                          tokens.shape)
 
     def mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n):
         # the MTP graph is dynamic in T (> 1); the main one specialises T (the verification's length)
         key = ("mtp", single is not None, tokens.shape[1] == 1, logits, n, cache.n_slots == 1, cache.kv_dtype)
         return self._call(key, (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n),
-                          tokens.shape, hidden)
+                          tokens.shape)
 
-    def _call(self, key, args, shape, hidden):
+    def _call(self, key, args, shape):
         if self._failed is not None:
             return None
         if key not in self._ready and self.background:
