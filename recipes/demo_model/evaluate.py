@@ -122,20 +122,25 @@ def evaluate(gguf_path: Path, n_tool: int, n_plain: int, max_tokens: int = 160, 
         ep = corpus.eval_prompt(conv)
         if len(picked[ep.expects_tool]) < want[ep.expects_tool]:
             picked[ep.expects_tool].append((conv, ep))
+    def answer(messages, tools, corpus_text: str):
+        """Greedy reply of the engine to `messages` (rendered by the file's template, which must equal
+        the corpus render) -> (prompt ids, generation result, parsed output)."""
+        rp = tmpl.render(messages, tools, add_generation_prompt=True)
+        assert rp.text == corpus_text, "engine template render differs from the corpus render"
+        prompt = tok.encode_chat(rp.pieces)
+        res = generate(model, prompt, max_tokens=max_tokens, stop_ids=stop)
+        parser = OutputParser(tools, thinking_open=True)
+        parser.feed(tok.decode(res.tokens))
+        parser.finish()
+        return prompt, res, parser.result()
+
     rows = []
     rounds_all: list[tuple[int, int]] = []
     t0 = time.monotonic()
     for expects_tool in (True, False):
         for conv, ep in picked[expects_tool]:
             last_user = max(j for j, m in enumerate(conv.messages) if m["role"] == "user")
-            rp = tmpl.render(conv.messages[: last_user + 1], conv.tools, add_generation_prompt=True)
-            assert rp.text == ep.text, "engine template render differs from the corpus render"
-            prompt = tok.encode_chat(rp.pieces)
-            res = generate(model, prompt, max_tokens=max_tokens, stop_ids=stop)
-            parser = OutputParser(conv.tools, thinking_open=True)
-            parser.feed(tok.decode(res.tokens))
-            parser.finish()
-            out = parser.result()
+            prompt, res, out = answer(conv.messages[: last_user + 1], conv.tools, ep.text)
             calls = out.tool_calls
             valid = bool(calls) and not out.malformed and not out.truncated and \
                 all(schema_valid(c, conv.tools or []) for c in calls)
@@ -152,14 +157,7 @@ def evaluate(gguf_path: Path, n_tool: int, n_plain: int, max_tokens: int = 160, 
                          "output": tok.decode(res.tokens)})
     follow_rows = []
     for conv, msgs, quote in followup_prompts(n_followup):
-        rp = tmpl.render(msgs, conv.tools, add_generation_prompt=True)
-        assert rp.text == corpus.render(msgs, conv.tools, add_generation_prompt=True)
-        prompt = tok.encode_chat(rp.pieces)
-        res = generate(model, prompt, max_tokens=max_tokens, stop_ids=stop)
-        parser = OutputParser(conv.tools, thinking_open=True)
-        parser.feed(tok.decode(res.tokens))
-        parser.finish()
-        out = parser.result()
+        _, res, out = answer(msgs, conv.tools, corpus.render(msgs, conv.tools, add_generation_prompt=True))
         no_call = not out.tool_calls and "<tool_call>" not in out.content
         follow_rows.append({"kind": conv.last.kind, "no_call": no_call,
                             "uses_result": no_call and all(q in out.content for q in quote),
