@@ -73,6 +73,10 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
             return pol
         return make
 
+    def options(cfg: BenchConfig, **extra) -> SpecOptions:
+        return SpecOptions(mode=cfg.mode, n_draft=max(cfg.k, 1), hidden=hidden,
+                           draft_hook=wrong if wrong_drafts and cfg.mode != "off" else None, **extra)
+
     steps = getattr(model, "_steps", None)
     if steps is not None and steps.background:
         # compiled steps: run every configuration until no kind of step is left to compile, so the
@@ -82,9 +86,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
         for _ in range(4):
             before = steps.kinds_ready
             for cfg in warm:
-                opt = SpecOptions(mode=cfg.mode, n_draft=max(cfg.k, 1), hidden=hidden,
-                                  draft_hook=wrong if wrong_drafts and cfg.mode != "off" else None)
-                SpecDecoder(model, opt).generate([prompts[0]], StopRule(max_tokens=max_tokens, eos_ids=eos_ids))
+                SpecDecoder(model, options(cfg)).generate([prompts[0]], StopRule(max_tokens=max_tokens, eos_ids=eos_ids))
             steps.drain()
             if steps.kinds_ready == before:
                 break
@@ -93,10 +95,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
             shift = (rep * len(prompts) + i) % len(configs)
             for cfg in list(configs[shift:]) + list(configs[:shift]):
                 acc = per[cfg.name]
-                opt = SpecOptions(mode=cfg.mode, n_draft=max(cfg.k, 1), hidden=hidden,
-                                  draft_hook=wrong if wrong_drafts and cfg.mode != "off" else None,
-                                  clock=CLOCKS[clock], controller_factory=factory(cfg))
-                dec = SpecDecoder(model, opt)
+                dec = SpecDecoder(model, options(cfg, clock=CLOCKS[clock], controller_factory=factory(cfg)))
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
