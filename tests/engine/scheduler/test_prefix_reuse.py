@@ -10,6 +10,8 @@ import torch
 from engine.scheduler.model_backend import ModelBackend
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.types import Assigned, GenerationRequest, TextDelta
+from engine.spec.events import CALIBRATING
+from engine.spec.policy import CALIBRATION_STEPS
 from tests.conftest import fixture_path
 from tests.engine.scheduler.scripted import CharText
 
@@ -157,10 +159,17 @@ def test_auto_policy_is_kept_per_slot_across_requests(model):
         run(sched, [5, 6, 7, 8], mtp="auto")
         first = backend.slots[0].auto
         assert first is not None and first.t_plain is not None    # calibrated during the first request
-        learnt = first.t_plain
+        assert first.state != CALIBRATING and first.t_plain > 0
+        seen = first.calibration_seen
+        states = []
+        decide = first.decide
+        first.decide = lambda k_cap: (states.append(first.state), decide(k_cap))[1]
         run(sched, [9, 10, 11], mtp="auto")
+        # the same estimates, never reset: the second request never calibrates again
         assert backend.slots[0].auto is first and first.t_plain is not None
-        assert first.calibration_seen > 3 and learnt > 0
+        assert states and CALIBRATING not in states
+        assert first.calibration_seen >= seen >= CALIBRATION_STEPS
+        del first.decide
         assert backend.slots[1].auto is None                      # slot 1 never ran auto
         run(sched, [9, 10, 11], mtp="on")
         assert backend.slots[0].auto is first                     # kept for the slot's next auto request
