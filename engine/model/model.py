@@ -283,8 +283,8 @@ class Qwen35Model(nn.Module):
         slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.mtp_lengths)
         args = (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n)
         res = None
-        if self._steps is not None and logits != "none" and T <= STEP_MAX_T:
-            res = self._steps.mtp(*args)          # drafts (not the prompt warm-up or cache commits)
+        if self._steps is not None and T <= STEP_MAX_T:
+            res = self._steps.mtp(*args)          # drafts and cache commits (not long prompt warm-ups)
         if res is None:
             res = self._mtp(*args)
         for s in slots:
@@ -311,6 +311,47 @@ class Qwen35Model(nn.Module):
         lg = matmul_weight(rows, nx.shared_head_head.weight) if nx.shared_head_head is not None \
             else self.head(rows)
         return hm, lg
+
+    def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
+                    k: int, *, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k greedy MTP drafts per row in one call (spec §2): step 1 runs over the rows (token i, hidden
+        i) of tokens [B, T] / hidden [B, T, E] (queued cache entries, then the pending token and its
+        carry) with the head on the last row only; steps 2..k each take the previous draft and MTP
+        hidden. Argmax stays on the device. Returns drafts [B, k] (long) and the last MTP hidden [B, 1, E];
+        `cache.mtp_lengths` advances by T + k - 1 (callers truncate the chain's scratch entries).
+        With compiled steps the whole chain is one graph (one call instead of k)."""
+        if not self.cfg.has_mtp:
+            raise InputError("mtp: this model file has no nextn (MTP) block")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        n = self.cfg.nextn_blocks[0] if block is None else block
+        B, T = tokens.shape
+        slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T + k - 1, cache.mtp_lengths)
+        args = (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n)
+        res = None
+        if self._steps is not None and T + k - 1 <= STEP_MAX_T:
+            res = self._steps.chain(*args)
+        if res is None:
+            res = self._chain(*args)
+        for s in slots:
+            cache.mtp_lengths[s] += T + k - 1
+        return res
+
+    def _chain(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n):
+        """The tensor work of `draft_chain`; positions [B, T + k - 1] cover every step's rows."""
+        T = tokens.shape[1]
+        hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_keys - k + 1, single, "last", n)
+        tok = lg[:, -1:].argmax(dim=-1)
+        hid = hm[:, -1:]
+        drafts = [tok]
+        for j in range(1, k):
+            at = None if single is None else (single[0], single[1] + T + j - 1)
+            hm, lg = self._mtp(tok, hid, cache, slot_idx, positions[:, T + j - 1:T + j], n_keys - k + 1 + j, at,
+                               "last", n)
+            tok = lg[:, -1:].argmax(dim=-1)
+            hid = hm
+            drafts.append(tok)
+        return torch.cat(drafts, dim=1), hid
 
     # -- compiled steps --------------------------------------------------------------------------
     def compile_steps(self, mode: str = "auto", *, background: bool = True) -> tuple[str, str]:

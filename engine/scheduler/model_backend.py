@@ -375,7 +375,13 @@ class ModelBackend(SlotBackend):
         s0 = torch.tensor([[t] for t in s0_host], dtype=torch.long, device=dev)
         P = [len(self.slots[s].tokens) for s in slots]
         d = torch.zeros(B, K, dtype=torch.long, device=dev)           # drafts; padding past a slot's k
-        if spec:
+        if spec and all(ks[i] == K for i in spec):
+            # every drafting slot drafts K: the whole chain in one call (one compiled graph)
+            hid = torch.stack([self.slots[s].carry for s in spec_slots])[:, None]
+            d[spec], _ = self.model.draft_chain(s0[spec], hid, self.cache, spec_slots, K)
+            for i in spec:
+                self.cache.truncate_mtp(slots[i], P[i] + 1)  # keep E(P) of step 1, drop the chain's scratch
+        elif spec:
             tok = s0[spec]                                            # [S, 1]
             hid = torch.stack([self.slots[s].carry for s in spec_slots])[:, None]
             for j in range(K):

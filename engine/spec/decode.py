@@ -277,8 +277,9 @@ class SpecDecoder:
         P = [s.n_past for s in seqs]
         # draft step 1 also writes the queued entries (plain steps, the last round's accepted drafts) in
         # the same MTP pass: rows [queue..., s0] with hidden [queue_hidden..., carry], head on the last
-        # row only. Then steps 2..k; device argmax, no host sync per draft token (spec §2)
-        tok_rows, hid_rows = [None] * len(seqs), [None] * len(seqs)
+        # row only; then steps 2..k. One `draft_chain` call per queue length (one compiled graph); device
+        # argmax, no host sync per draft token (spec §2)
+        d_rows: list[torch.Tensor | None] = [None] * len(seqs)
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             by_len.setdefault(len(s.mtp_queue), []).append(i)
@@ -286,22 +287,14 @@ class SpecDecoder:
             x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] for i in idx], dtype=torch.long,
                              device=m.device)
             hin = torch.stack([torch.stack(seqs[i].mtp_queue_hidden + [seqs[i].carry]) for i in idx])
-            mo = m.mtp_forward(x, hin, cache, [slots[i] for i in idx], logits="last")
-            first = mo.logits[:, -1].argmax(dim=-1, keepdim=True)
+            dr, _ = m.draft_chain(x, hin, cache, [slots[i] for i in idx], k)
             for j, i in enumerate(idx):
-                tok_rows[i], hid_rows[i] = first[j], mo.hidden[j, -1:]
+                d_rows[i] = dr[j]
                 seqs[i].mtp_queue.clear()
                 seqs[i].mtp_queue_hidden.clear()
-        tok, hid = torch.stack(tok_rows), torch.stack(hid_rows)     # [B, 1], [B, 1, E]
-        drafts = [tok]
-        for _ in range(k - 1):
-            mo = m.mtp_forward(tok, hid, cache, slots, logits="last")
-            tok = mo.logits[:, -1].argmax(dim=-1, keepdim=True)
-            hid = mo.hidden
-            drafts.append(tok)
         for s, p in zip(seqs, P, strict=True):
             cache.truncate_mtp(s.slot, p + 1)     # keep E(P) of step 1, drop the scratch entries
-        d = torch.cat(drafts, dim=1)              # [B, k]
+        d = torch.stack(d_rows)                   # [B, k]
         if opt.draft_hook is not None:
             d = torch.stack([opt.draft_hook(s.slot, p, d[i]) for i, (s, p) in enumerate(zip(seqs, P, strict=True))])
         t1 = self.opt.clock()

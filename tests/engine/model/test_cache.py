@@ -140,6 +140,40 @@ def test_mtp_cache_truncate_and_draft_chain(model):
     assert torch.equal(d1.logits, e1.logits) and torch.equal(d2.logits, e2.logits)
 
 
+@pytest.mark.parametrize("queued", [0, 3])
+def test_draft_chain_equals_step_by_step_drafting(model, queued):
+    """`draft_chain` (one call, one compiled graph when enabled) drafts what k single MTP steps draft,
+    with queued entries riding along in step 1, for two slots at different lengths; the MTP cache
+    holds the same rows and lengths afterwards."""
+    k = 3
+    caches = [ModelCache(model.cfg, 2, 64) for _ in range(2)]
+    hid = {}
+    for c in caches:
+        for s, n in ((0, 9), (1, 13)):
+            t = _text(n, 5000 + 40 * s)
+            out = model(t, c, [s], logits="none")
+            model.mtp_forward(t[:, :n - queued], shift_hidden(out.hidden)[:, :n - queued], c, [s], logits="none")
+            hid[s] = (t, shift_hidden(out.hidden))
+    rows = torch.cat([hid[s][0][:, hid[s][0].shape[1] - queued - 1:] for s in (0, 1)])[:, :queued + 1]
+    rows_h = torch.cat([hid[s][1][:, hid[s][1].shape[1] - queued - 1:] for s in (0, 1)])[:, :queued + 1]
+    want = []
+    one = caches[0]
+    mo = model.mtp_forward(rows, rows_h, one, [0, 1], logits="last")
+    tok, h = mo.logits[:, -1:].argmax(-1), mo.hidden[:, -1:]
+    want.append(tok)
+    for _ in range(k - 1):
+        mo = model.mtp_forward(tok, h, one, [0, 1], logits="last")
+        tok, h = mo.logits[:, -1:].argmax(-1), mo.hidden
+        want.append(tok)
+    got, last = model.draft_chain(rows, rows_h, caches[1], [0, 1], k)
+    assert torch.equal(got, torch.cat(want, dim=1)) and got.shape == (2, k)
+    assert torch.allclose(last, h, **TIGHT)
+    assert caches[1].mtp_lengths == one.mtp_lengths
+    n = max(one.mtp_lengths)
+    n_mtp = model.cfg.nextn_blocks[0]
+    assert torch.allclose(caches[1].mtp_k[n_mtp][:, :n], one.mtp_k[n_mtp][:, :n], **TIGHT)
+
+
 def test_context_overflow_is_an_input_error(model):
     from engine.errors import InputError
     cache = ModelCache(model.cfg, 1, 8)

@@ -114,7 +114,7 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("no toolchain")
 
-    fast._steps._fns = {"main": broken, "mtp": broken}
+    fast._steps._fn = lambda key: broken     # every kind of call (main, mtp, chain) fails
     assert _gen(fast, prompts, "on", 3) == _gen(eager, prompts, "on", 3)
     path_, why = fast.steps_status
     assert path_ == "eager" and "torch.compile failed (RuntimeError: no toolchain)" in why
