@@ -135,12 +135,11 @@ class GatedDeltaNet(nn.Module):
         self.ssm_norm = _Weight(self.d_v, device=device)            # used as is, no +1
 
     def forward(self, a: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
-                *, chunk: int = 64, all_states: bool = False, recurrent_max_t: int = RECURRENT_MAX_T):
+                *, chunk: int = 64, all_states: bool = False):
         """a [B, T, E] (normed block input); conv_state [B, C, Kc-1] / ssm_state [B, Hv, Dk, Dv] float32
         or None for a fresh sequence. Returns (out [B, T, E], conv, ssm): the new states, or with
         all_states the states after 0..T tokens, [B, T+1, C, Kc-1] and [B, T+1, Hv, Dk, Dv].
-        Calls of up to recurrent_max_t tokens use the per-token form, longer ones the chunked form
-        (the compiled step passes 1: one vectorised pass for any verification length)."""
+        Calls of up to RECURRENT_MAX_T tokens use the per-token form, longer ones the chunked form."""
         B, T, _ = a.shape
         hk, hv, dk, dv = self.n_k_heads, self.n_v_heads, self.d_k, self.d_v
         u, xpad = causal_conv1d(self.attn_qkv(a), self.ssm_conv1d.weight, conv_state)
@@ -155,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         g = self.ssm_a * F.softplus(self.ssm_alpha(a) + self.ssm_dt.bias)
         if ssm_state is None:
             ssm_state = a.new_zeros(B, hv, dk, dv, dtype=torch.float32)
-        if T <= recurrent_max_t:
+        if T <= RECURRENT_MAX_T:
             o, s = delta_rule_recurrent(q, k, v, g, beta, ssm_state, all_states=all_states)
         else:
             o, s = delta_rule_chunked(q, k, v, g, beta, ssm_state, chunk=chunk, all_states=all_states)

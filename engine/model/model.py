@@ -19,7 +19,7 @@ from engine.errors import InputError, ModelFileError
 from engine.kernels import PackedWeight, worth_packing
 from engine.model.attention import GatedAttention, KVView
 from engine.model.cache import GDNSteps, ModelCache
-from engine.model.deltanet import RECURRENT_MAX_T, GatedDeltaNet
+from engine.model.deltanet import GatedDeltaNet
 from engine.model.layers import Linear, RMSNorm, SwiGLU, matmul_weight, rope_cos_sin
 from engine.model.moe import MoE
 from engine.model.mtp import NextN
@@ -183,7 +183,7 @@ class Qwen35Model(nn.Module):
         slot's current length; every row of one call has the same T; the slots' KV and GDN state
         are updated in place and `cache.lengths` advanced by T.
         logits: 'all' rows, only the 'last' row, or 'none' (the output head is skipped).
-        chunk: delta-rule chunk length for T > 1 (T == 1 uses the recurrent form).
+        chunk: delta-rule chunk length for T > RECURRENT_MAX_T (shorter calls use the per-token form).
         gdn_steps: also return the GDN state after every token (for `cache.rollback`).
         Decode steps (T = 1) and verifications (gdn_steps, T <= STEP_MAX_T) run the compiled step when
         `compile_steps` enabled it."""
@@ -207,8 +207,7 @@ class Qwen35Model(nn.Module):
         steps = GDNSteps(slots, T, steps_conv, steps_ssm) if gdn_steps else None
         return ForwardOutput(h, h_final, lg, steps)
 
-    def _main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps,
-              recurrent_max_t: int = RECURRENT_MAX_T):
+    def _main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps):
         """The tensor work of `forward` (no Python bookkeeping: the compiled step traces this)."""
         h = self.embed(tokens)
         sl = None
@@ -225,8 +224,7 @@ class Qwen35Model(nn.Module):
             else:
                 conv0 = None if cache is None else cache.conv[i][sl]
                 ssm0 = None if cache is None else cache.ssm[i][sl]
-                out, conv, ssm = blk.mixer(a, conv0, ssm0, chunk=chunk, all_states=gdn_steps,
-                                           recurrent_max_t=recurrent_max_t)
+                out, conv, ssm = blk.mixer(a, conv0, ssm0, chunk=chunk, all_states=gdn_steps)
                 h = h + out
                 if gdn_steps:
                     steps_conv[i], steps_ssm[i] = conv, ssm

@@ -98,9 +98,9 @@ _STEPS = {"main": _main_step, "mtp": _mtp_step, "chain": _chain_step}
 
 
 class CompiledSteps:
-    """The compiled `_main` / `_mtp` of one model. `main(*args)` / `mtp(*args)` take the arguments of
-    `Qwen35Model._main` / `_mtp` and return the result, or None when this kind of call is not compiled
-    (yet): the caller then runs the eager method."""
+    """The compiled `_main` / `_mtp` / `_chain` of one model. `main(*args)` / `mtp(*args)` / `chain(*args)`
+    take the arguments of `Qwen35Model._main` / `_mtp` / `_chain` and return the result, or None when this
+    kind of call is not compiled (yet): the caller then runs the eager method."""
 
     def __init__(self, model, why: str, *, background: bool = True):
         cfg = torch._dynamo.config
