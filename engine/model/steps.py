@@ -27,6 +27,7 @@ import types
 import torch
 
 from engine.errors import InputError, MtpchatError
+from engine.model.layers import ROW_PRODUCTS_MAX, set_row_products
 from engine.spec.modes import STEP_MODES
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class CompiledSteps:
         if getattr(cfg, "recompile_limit", _RECOMPILE_LIMIT) < _RECOMPILE_LIMIT:
             cfg.recompile_limit = _RECOMPILE_LIMIT
         self.model, self.why, self.background = model, why, background
+        self._cpu = model.device.type == "cpu"
         self._fns: dict[tuple, object] = {}    # kind of call -> its compiled function
         # held by a compilation and by every compiled call: dynamo refuses a compiled call while another
         # thread traces ("FX to symbolically trace a dynamo-optimized function"), so while the worker
@@ -140,36 +142,52 @@ class CompiledSteps:
         return done.wait(timeout)
 
     # -- calls -------------------------------------------------------------------------------------
+    # A kind of call has a fixed row count when it serves one sequence (B = 1) and its T is part of its
+    # key; its weight multiplies then run as per-row products (engine.model.layers.matmul_weight).
+
     def main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps):
-        key = ("main", single is not None, tokens.shape[1], logits, bool(gdn_steps), cache.n_slots == 1,
-               cache.kv_dtype)
+        T = tokens.shape[1]
+        key = ("main", single is not None, T, logits, bool(gdn_steps), cache.n_slots == 1, cache.kv_dtype)
         return self._call(key, (tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps),
-                          tokens.shape)
+                          tokens.shape, single is not None and T <= ROW_PRODUCTS_MAX)
 
     def mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n):
         # the MTP graph is dynamic in T (> 1); the main one specialises T (the verification's length)
         key = ("mtp", single is not None, tokens.shape[1] == 1, logits, n, cache.n_slots == 1, cache.kv_dtype)
         return self._call(key, (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n),
-                          tokens.shape)
+                          tokens.shape, single is not None and tokens.shape[1] == 1)
 
     def chain(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n):
-        # k is fixed per graph (the chain unrolls); the first step's length is dynamic (T > 1)
-        key = ("chain", single is not None, tokens.shape[1] == 1, k, n, cache.n_slots == 1, cache.kv_dtype)
-        return self._call(key, (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n), tokens.shape)
+        # k is fixed per graph (the chain unrolls); so is the first step's length T for one sequence with
+        # T <= ROW_PRODUCTS_MAX (T = 1 + the queued entries: a few kinds), else it is dynamic
+        T = tokens.shape[1]
+        fixed = single is not None and T <= ROW_PRODUCTS_MAX
 
-    def _call(self, key, args, shape):
+        def key(t: int) -> tuple:
+            return ("chain", single is not None, t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype)
+
+        # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
+        # compile together, so a request does not meet a new kind of chain at every new acceptance count
+        siblings = [(key(t), (1, t)) for t in range(1, min(k + 1, ROW_PRODUCTS_MAX) + 1) if t != T] if fixed else []
+        return self._call(key(T), (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n), tokens.shape,
+                          fixed, siblings)
+
+    def _call(self, key, args, shape, fixed_rows: bool, siblings=()):
         if self._failed is not None:
             return None
         if key not in self._ready and self.background:
             if key not in self._queued and not self._closed:
-                self._queued.add(key)
-                self._jobs.put((key, tuple(shape), args))
+                for kk, sh in [(key, tuple(shape)), *siblings]:
+                    if kk not in self._queued and kk not in self._ready:
+                        self._queued.add(kk)
+                        self._jobs.put((kk, sh, args, fixed_rows))
                 self._start_worker()
             return None
         fn = self._fn(key)
         if not self._lock.acquire(blocking=not self.background):
             return None                      # the worker is compiling: this step runs eager
         try:
+            set_row_products(fixed_rows and self._cpu)
             out = fn(self.model, *args)
             self._ready.add(key)
             self.n_compiled_calls += 1
@@ -225,18 +243,18 @@ class CompiledSteps:
             if isinstance(job, threading.Event):
                 job.set()
                 continue
-            key, shape, args = job
+            key, shape, args, fixed_rows = job
             if self._failed is not None or self._closed:
                 continue
             try:
                 with torch.inference_mode():
-                    self._warm(key, shape, args)
+                    self._warm(key, shape, args, fixed_rows)
                 self._ready.add(key)
                 log.info("compiled step ready: %s", key[:5])
             except Exception as exc:
                 self._fail(exc)
 
-    def _warm(self, key, shape, args) -> None:
+    def _warm(self, key, shape, args, fixed_rows: bool) -> None:
         """Run the kind of call `key` once on a scratch cache shaped like the real one (same slots and
         dtypes, a short context), so the real calls find the compiled graph."""
         from engine.model.cache import ModelCache
@@ -266,6 +284,7 @@ class CompiledSteps:
             hidden = torch.zeros(B, T, m.cfg.n_embd, dtype=args[1].dtype, device=m.device)
             call = (tokens, hidden, scratch, slot_idx, positions, n_keys, single_s, *args[7:])
         with self._lock:
+            set_row_products(fixed_rows and self._cpu)
             self._fn(key)(m, *call)
 
     def _fail(self, exc: BaseException) -> None:

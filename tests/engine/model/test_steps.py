@@ -118,3 +118,35 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
     assert _gen(fast, prompts, "on", 3) == _gen(eager, prompts, "on", 3)
     path_, why = fast.steps_status
     assert path_ == "eager" and "torch.compile failed (RuntimeError: no toolchain)" in why
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_row_products_in_fixed_row_graphs(on):
+    """matmul_weight in a graph traced with `set_row_products(True)`: one reduction per row (no library
+    product), the same values within float32 rounding; traced without it, the library product."""
+    import torch.nn.functional as F
+
+    from engine.model import layers
+
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g)
+    for rows in (1, 3, layers.ROW_PRODUCTS_MAX, layers.ROW_PRODUCTS_MAX + 1):
+        x = torch.randn(1, rows, 32, generator=g)
+        torch._dynamo.reset()
+        graphs.clear()
+        layers.set_row_products(on)
+        try:
+            y = torch.compile(layers.matmul_weight, backend=capture, dynamic=False, fullgraph=True)(x, w)
+        finally:
+            layers.set_row_products(False)
+        targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+        library = any("linear" in t for t in targets)
+        assert library == (not on or rows > layers.ROW_PRODUCTS_MAX), targets
+        assert y.shape == (1, rows, 48)
+        assert torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
