@@ -27,7 +27,6 @@ from engine.spec.rejection import accepted_prefix, draw_uniforms, inverse_cdf, s
 from engine.spec.stops import StopChecker, StopRule
 
 MTP_QUEUE_MAX = 256
-RIDE_ALONG_MAX = 9      # queued MTP entries written inside draft step 1 (a round's accepted drafts, k <= 8)
 
 # A draft hook sees (slot, P, drafts [k] long on the device, targets unknown) and returns the drafts to
 # verify: tests force rejections with it, `bench --wrong-drafts` measures pure overhead.
@@ -266,9 +265,11 @@ class SpecDecoder:
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
         for s in seqs:
-            if len(s.mtp_queue) > RIDE_ALONG_MAX:
-                # a backlog of plain-step entries is written outside the round's timer: it is the plain
-                # steps' MTP sync (paid whatever k is), not a cost of drafting that policies should see
+            if len(s.mtp_queue) > k:
+                # draft step 1 writes up to k queued entries (the last round's accepted drafts): one
+                # compiled chain per step-1 length 1..k+1. A longer backlog (plain-step entries) is
+                # written outside the round's timer: it is the plain steps' MTP sync (paid whatever k
+                # is), not a cost of drafting that policies should see
                 t = self.opt.clock()
                 self._flush_mtp(s)
                 s.decode_s += self.opt.clock() - t

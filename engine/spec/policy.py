@@ -4,9 +4,17 @@ spec/mtp-speculation.md §4: k* = argmax_k E_k / T_k with E_k = 1 + sum_{j<=k} r
 acceptance estimates and T_k = D·k + V(k+1) + post(k) from measured times; k = 0 is a plain step, and
 after MTP went off it is re-probed with one k = 2 round after N plain steps (16, doubling up to 256).
 Torch-free: the decode loop feeds it acceptance counts and wall times, nothing else.
+
+T_0 is a low quantile of the recent plain steps, and while MTP is on a short run of plain steps is
+taken every PLAIN_CHECK_EVERY rounds: on a CPU a plain step right after a prompt or a round runs
+1.5-3x slower than in a run of plain steps (the weights it reads were pushed out of the cache), and
+timing noise only ever adds time, so an average of such steps would overrate MTP (demo model: plain
+steps 1.9, 1.2, 0.9, 0.8 ms after a prompt, 0.65-0.7 ms from the fifth on).
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from engine.spec.events import AUTO, CALIBRATING, DISABLED
 from engine.spec.gate import Decision, DraftController, RoundTiming
@@ -25,6 +33,9 @@ PROBE_FIRST = 16
 PROBE_MAX = 256
 PROBE_BUDGET = 0.02      # a lost probe may cost at most 2 % of the plain-step time between probes
 CALIBRATION_STEPS = 3    # plain steps measured before the first round; the first is discarded
+PLAIN_WINDOW = 32        # recent plain-step times kept; T_0 is their lower quartile
+PLAIN_CHECK_EVERY = 32   # while MTP is on, a run of PLAIN_STREAK plain steps after this many rounds
+PLAIN_STREAK = 4
 PRIOR_VERIFY_SLOPE = 0.25  # V(n) = V(1)·(1 + c·(n-1)) until two sizes are measured
 PRIOR_DRAFT = 0.2        # D = 0.2·T_0 until measured
 PRIOR_POST = 0.1         # post(k) = 0.1·T_0 until measured
@@ -51,6 +62,9 @@ class AutoPolicy(DraftController):
         self.alpha: list[float | None] = [None] * (k_max + 1)   # index j = 1..k_max; None = never observed
         self.alpha_n = [0] * (k_max + 1)
         self.t_plain: float | None = None
+        self._plain_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
+        self.rounds_since_plain = 0
+        self._streak = 0                        # plain steps left in the current measuring run
         self.t_verify: dict[int, float] = {}   # rows n -> seconds
         self.t_draft: float | None = None       # one draft step
         self.t_post: dict[int, float] = {}     # k -> acceptance-time work
@@ -160,6 +174,13 @@ class AutoPolicy(DraftController):
                 k = min(PROBE_K, k_cap, self.k_max)
                 return Decision(k, "probe", self.rate(k))
             return Decision(0, "plain", self.baseline_tps)
+        if self._streak > 0:
+            self._streak -= 1
+            return Decision(0, "plain", self.baseline_tps)
+        if self.k_current > 0 and self.rounds_since_plain >= PLAIN_CHECK_EVERY:
+            # re-measure T_0 where it is cheapest to be wrong about: a few plain steps in a row
+            self.rounds_since_plain, self._streak = 0, PLAIN_STREAK - 1
+            return Decision(0, "plain", self.baseline_tps)
         best = self.best_k(self.k_max)
         cur = self.k_current
         # between draft lengths 3 % hysteresis; turning MTP off needs a clear loss (OFF_HYSTERESIS),
@@ -174,6 +195,7 @@ class AutoPolicy(DraftController):
         self.k_current = cur
         k = min(cur, k_cap)
         self.rounds_since_explore += 1
+        self.rounds_since_plain += 1
         if self.rounds_since_explore >= EXPLORE_EVERY and k == cur < min(self.k_max, k_cap):
             # acceptance past the chosen k is never observed at that k (censored): draft one more
             # now and then so a stale low estimate of alpha_{k+1} can recover
@@ -195,7 +217,8 @@ class AutoPolicy(DraftController):
         was_calibrating = self.state == CALIBRATING
         self.calibration_seen += 1
         if self.calibration_seen > 1:   # the first step of a fresh policy carries one-time costs
-            self.t_plain = _ema(self.t_plain, step_s, TIME_EMA)
+            self._plain_times.append(step_s)
+            self.t_plain = sorted(self._plain_times)[(len(self._plain_times) - 1) // 4]
         if self.off:
             self.plain_since_off += 1
         if was_calibrating and self.state != CALIBRATING:

@@ -12,12 +12,14 @@ import pytest
 
 from engine.spec.events import AUTO, CALIBRATING, DISABLED
 from engine.spec.gate import RoundTiming
-from engine.spec.policy import PROBE_FIRST, PROBE_MAX, AutoPolicy
+from engine.spec.policy import PLAIN_CHECK_EVERY, PROBE_FIRST, PROBE_MAX, AutoPolicy
 
 
 class Sim:
-    def __init__(self, t0=1.0, d=0.05, slope=0.1, post=0.02, alpha=0.9, seed=0):
+    def __init__(self, t0=1.0, d=0.05, slope=0.1, post=0.02, alpha=0.9, seed=0, plain_cost=None):
         self.t0, self.d, self.slope, self.post = t0, d, slope, post
+        self.plain_cost = plain_cost  # callable(plain steps since the start or the last round) -> seconds
+        self.plain_run = 0
         self.alpha = alpha            # float, or callable(token_index) -> float
         self.rng = random.Random(seed)
         self.tokens = 0
@@ -36,8 +38,10 @@ class Sim:
             self.ks.append(dec.k)
             self.kinds.append(dec.kind)
             if dec.k == 0:
-                pol.observe_plain(self.t0)
-                self.time += self.t0
+                t = self.t0 if self.plain_cost is None else self.plain_cost(self.plain_run)
+                self.plain_run += 1
+                pol.observe_plain(t)
+                self.time += t
                 self.tokens += 1
             else:
                 alpha = self.alpha(self.tokens) if callable(self.alpha) else self.alpha
@@ -46,6 +50,7 @@ class Sim:
                     a += 1
                 t = RoundTiming(self.d * dec.k, self.verify(dec.k + 1), self.post)
                 pol.observe_round(dec.k, a, t)
+                self.plain_run = 0
                 self.time += t.round_s
                 self.tokens += a + 1
             ch = pol.pop_change()
@@ -174,3 +179,20 @@ def test_probe_schedule_resets_after_a_win():
     assert pol.probe_every > PROBE_FIRST
     Sim(alpha=1.0, seed=4, slope=0.02).run(pol, 600)
     assert pol.state == AUTO and pol.probe_every == PROBE_FIRST
+
+
+def test_plain_cost_is_measured_in_a_run_of_plain_steps():
+    """CPU-like: the first plain steps after the prompt run 1.2-2x slower, the first after a round
+    1.5x (the weights left the cache), steady ones cost t0. MTP at 0.81 tokens per t0 beats the
+    calibration steps' 1/1.6 but loses to steady plain decoding: the policy must find that out."""
+    slow = [2.0, 1.8, 1.4, 1.2]
+    sim = Sim(alpha=0.9, slope=1.0, d=0.3, post=0.05, seed=5,
+              plain_cost=lambda n: slow[n] if sim.tokens < 4 else (1.5 if n == 0 else 1.0))
+    pol = AutoPolicy(4)
+    sim.run(pol, 2000)
+    assert pol.state == DISABLED, sim.changes
+    assert pol.t_plain == 1.0
+    assert 2000 / sim.time >= 0.9, 2000 / sim.time
+    # while MTP was on, plain steps came in runs of PLAIN_STREAK, one run per PLAIN_CHECK_EVERY rounds
+    on = sim.kinds[3:sim.kinds.index("plain", 3 + PLAIN_CHECK_EVERY)]
+    assert on.count("round") == PLAIN_CHECK_EVERY, on
