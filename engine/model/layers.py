@@ -13,7 +13,6 @@ from torch import nn
 
 from engine.kernels import PackedWeight
 
-
 ROW_PRODUCTS_MAX = 8   # rows multiplied as separate dot products in a compiled CPU graph (see below)
 _row_products = False  # set by engine.model.steps around compiled calls whose row count is fixed
 
