@@ -169,3 +169,7 @@ def _table(doc: dict) -> None:
                   _fmt(r["draft_step_ms"], ".3f"), _fmt(r["cache_mib"], ".1f"))
     Console(width=200).print(t)
     print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; steps: {doc['steps']['path']} ({doc['steps']['why']})")
+    if doc["steps"].get("eager_calls"):
+        st = doc["steps"]
+        print(f"note: {st['eager_calls']} of {st['eager_calls'] + st['compiled_calls']} timed model calls ran eager "
+              "(kinds of step still compiling): these figures mix the two paths; run again to use the cache")

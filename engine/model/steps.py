@@ -124,6 +124,7 @@ class CompiledSteps:
         self._failed: str | None = None
         self._closed = False
         self.n_compiled_calls = 0
+        self.n_eager_calls = 0                 # calls that ran eager because their kind was not ready
 
     # -- state -------------------------------------------------------------------------------------
     def status(self) -> tuple[str, str]:
@@ -185,9 +186,11 @@ class CompiledSteps:
                         self._queued.add(kk)
                         self._jobs.put((kk, sh, args, fixed_rows))
                 self._start_worker()
+            self.n_eager_calls += 1
             return None
         fn = self._fn(key)
         if not self._lock.acquire(blocking=not self.background):
+            self.n_eager_calls += 1
             return None                      # the worker is compiling: this step runs eager
         try:
             set_row_products(fixed_rows and self._cpu)

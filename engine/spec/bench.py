@@ -90,6 +90,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
             steps.drain()
             if steps.kinds_ready == before:
                 break
+    counts0 = (steps.n_compiled_calls, steps.n_eager_calls) if steps is not None else None
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
             shift = (rep * len(prompts) + i) % len(configs)
@@ -156,7 +157,11 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
         "wrong_drafts": wrong_drafts, "hidden": hidden, "clock": clock,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": torch.get_num_threads(), "device": str(model.device), "dtype": str(model.dtype).split(".")[-1],
-        "steps": dict(zip(("path", "why"), model.steps_status, strict=True)),
+        "steps": {**dict(zip(("path", "why"), model.steps_status, strict=True)),
+                  # timed calls that ran compiled / eager (a kind first met in the timed runs runs eager
+                  # while it compiles, and so does every step while the worker holds the tracer)
+                  **({"compiled_calls": steps.n_compiled_calls - counts0[0],
+                      "eager_calls": steps.n_eager_calls - counts0[1]} if counts0 is not None else {})},
         "auto_policy": "one per configuration, kept from run to run (as a server slot keeps it)",
     }
 

@@ -91,12 +91,14 @@ def test_background_mode_runs_eager_until_compiled():
     fast.compile_steps("compiled", background=True)
     want = _gen(eager, prompts, "on", 2)
     first = _gen(fast, prompts, "on", 2)
+    assert fast._steps.n_eager_calls > 0          # the first calls of each kind ran eager
     assert fast._steps.drain(timeout=600)
     assert fast._steps.kinds_ready > 0
-    before = fast._steps.n_compiled_calls
+    before, eager_before = fast._steps.n_compiled_calls, fast._steps.n_eager_calls
     second = _gen(fast, prompts, "on", 2)
     assert first == want and second == want
     assert fast._steps.n_compiled_calls > before
+    assert fast._steps.n_eager_calls == eager_before   # every kind of the second run was ready
     # decoding went on while the worker compiled, and nothing failed (a compiled call during another
     # thread's tracing would: "FX to symbolically trace a dynamo-optimized function")
     assert fast.steps_status[0] == "compiled", fast.steps_status
