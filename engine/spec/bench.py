@@ -81,12 +81,14 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
     if steps is not None and steps.background:
         # compiled steps: run every configuration until no kind of step is left to compile, so the
         # timed runs measure the compiled path only
+        # (every prompt: where a reply stops decides which verification and chain lengths occur)
         k_top = max([c.k for c in configs] + [1])
         warm = [BenchConfig("on", k) for k in range(1, k_top + 1)] + list(configs)   # every verify length
         for _ in range(4):
             before = steps.kinds_ready
             for cfg in warm:
-                SpecDecoder(model, options(cfg)).generate([prompts[0]], StopRule(max_tokens=max_tokens, eos_ids=eos_ids))
+                for prompt in prompts:
+                    SpecDecoder(model, options(cfg)).generate([prompt], StopRule(max_tokens=max_tokens, eos_ids=eos_ids))
             steps.drain()
             if steps.kinds_ready == before:
                 break
