@@ -370,15 +370,25 @@ class ModelBackend(SlotBackend):
         t0 = time.perf_counter()
         spec = [i for i in range(B) if ks[i] > 0]
         spec_slots = [slots[i] for i in spec]
-        self._flush_mtp(spec_slots)
+        # one drafting slot: its queued MTP entries (the last round's accepted drafts, plain steps) ride
+        # along in draft step 1 when there are at most K of them (one compiled chain per step-1 length)
+        ride = len(spec) == 1 and len(self.slots[spec_slots[0]].mtp_queue_tokens) <= K
+        self._flush_mtp([] if ride else spec_slots)
         s0_host = [self.slots[s].run.pending for s in slots]
         s0 = torch.tensor([[t] for t in s0_host], dtype=torch.long, device=dev)
         P = [len(self.slots[s].tokens) for s in slots]
         d = torch.zeros(B, K, dtype=torch.long, device=dev)           # drafts; padding past a slot's k
         if spec and all(ks[i] == K for i in spec):
             # every drafting slot drafts K: the whole chain in one call (one compiled graph)
-            hid = torch.stack([self.slots[s].carry for s in spec_slots])[:, None]
-            d[spec], _ = self.model.draft_chain(s0[spec], hid, self.cache, spec_slots, K)
+            if ride:
+                st = self.slots[spec_slots[0]]
+                x = torch.tensor([[*st.mtp_queue_tokens, s0_host[spec[0]]]], dtype=torch.long, device=dev)
+                hid = torch.stack([*st.mtp_queue_hidden, st.carry])[None]
+                st.mtp_queue_tokens, st.mtp_queue_hidden = [], []
+            else:
+                x = s0[spec]
+                hid = torch.stack([self.slots[s].carry for s in spec_slots])[:, None]
+            d[spec], _ = self.model.draft_chain(x, hid, self.cache, spec_slots, K)
             for i in spec:
                 self.cache.truncate_mtp(slots[i], P[i] + 1)  # keep E(P) of step 1, drop the chain's scratch
         elif spec:
@@ -428,7 +438,12 @@ class ModelBackend(SlotBackend):
         # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a. One MTP pass over max(a) rows for the
         # drafting slots; rows past a slot's own a are scratch, cut off right after (KV is cut by length)
         a_max = max((n_acc[i] for i in spec), default=0)
-        if a_max > 0:
+        if a_max > 0 and len(spec) == 1:
+            # lazily (§5.3): the next round's draft step 1 writes them, or a flush before a checkpoint
+            st = self.slots[slots[spec[0]]]
+            st.mtp_queue_tokens.extend(d_host[spec[0]][:a_max])
+            st.mtp_queue_hidden.extend(out.hidden[spec[0], :a_max])
+        elif a_max > 0:
             self.model.mtp_forward(d[spec, :a_max], out.hidden[spec, :a_max], self.cache, spec_slots,
                                    logits="none")
             for i in spec:
