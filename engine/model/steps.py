@@ -172,16 +172,19 @@ class CompiledSteps:
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
         # compile together, so a request does not meet a new kind of chain at every new acceptance count
-        siblings = [(key(t), (1, t)) for t in range(1, min(k + 1, ROW_PRODUCTS_MAX) + 1) if t != T] if fixed else []
+        def siblings() -> list:
+            return [(key(t), (1, t)) for t in range(1, min(k + 1, ROW_PRODUCTS_MAX) + 1) if t != T] if fixed else []
+
         return self._call(key(T), (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n), tokens.shape,
                           fixed, siblings)
 
-    def _call(self, key, args, shape, fixed_rows: bool, siblings=()):
+    def _call(self, key, args, shape, fixed_rows: bool, siblings=list):
+        """siblings() -> [(key, shape)]: kinds to queue along with this one (called only when queueing)."""
         if self._failed is not None:
             return None
         if key not in self._ready and self.background:
             if key not in self._queued and not self._closed:
-                for kk, sh in [(key, tuple(shape)), *siblings]:
+                for kk, sh in [(key, tuple(shape)), *siblings()]:
                     if kk not in self._queued and kk not in self._ready:
                         self._queued.add(kk)
                         self._jobs.put((kk, sh, args, fixed_rows))

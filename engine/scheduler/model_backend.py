@@ -435,8 +435,8 @@ class ModelBackend(SlotBackend):
         n_acc = [len(ids) - 1 for ids in emitted]
         t2 = time.perf_counter()
         self.cache.rollback(out.gdn_steps, [a + 1 for a in n_acc])
-        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a. One MTP pass over max(a) rows for the
-        # drafting slots; rows past a slot's own a are scratch, cut off right after (KV is cut by length)
+        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a. One drafting slot queues them; several
+        # get one MTP pass over max(a) rows, rows past a slot's own a being scratch cut off right after
         a_max = max((n_acc[i] for i in spec), default=0)
         if a_max > 0 and len(spec) == 1:
             # lazily (§5.3): the next round's draft step 1 writes them, or a flush before a checkpoint
