@@ -23,6 +23,9 @@ SMALL_M = 8                 # rows up to which the fused reduction runs (decode 
 SLICE_WEIGHTS = 1 << 20     # weights dequantized at a time on the slice path (4 MiB of float32)
 
 _lock = threading.Lock()
+# inductor's operator that writes its input to a buffer (set by `load_realize` before tracing; None
+# where this torch lacks it): compiled weight reductions read their activations through it
+realize = None
 _state: dict = {"mode": None, "reason": "", "compiled": {}}
 
 
@@ -90,6 +93,10 @@ def sliced_product(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.T
     return out
 
 
+# many rows inside a compiled step: run eagerly (a graph break), not unrolled slice by slice
+_sliced_outside_graph = torch.compiler.disable(sliced_product)
+
+
 # -- dispatch -------------------------------------------------------------------------------------
 
 def _compiler() -> str | None:
@@ -114,6 +121,17 @@ def status() -> tuple[str, str]:
         return _state["mode"], _state["reason"]
 
 
+def load_realize() -> None:
+    """Look up inductor's realize operator once (importing it registers it), before any tracing."""
+    global realize
+    if realize is None:
+        try:
+            import torch._inductor.test_operators  # noqa: F401
+            realize = torch.ops._inductor_test.realize
+        except (ImportError, AttributeError, RuntimeError):
+            log.info("inductor's realize operator is missing: compiled products may redo their input's work")
+
+
 def _fall_back(exc: BaseException) -> None:
     with _lock:
         _state.update(mode="eager", reason=f"torch.compile failed ({type(exc).__name__}: {str(exc)[:200]})")
@@ -134,6 +152,7 @@ def _compiled(t: T, m: int):
         renamed = type(product)(code, product.__globals__, code.co_name)
         renamed.__kwdefaults__ = product.__kwdefaults__
         product = renamed
+        load_realize()
         fn = torch.compile(product, dynamic=True, fullgraph=True)
         _state["compiled"][key] = fn
     return fn
@@ -142,6 +161,13 @@ def _compiled(t: T, m: int):
 def matmul(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 -> x @ W.T [M, N] float32 for a packed 2-D weight."""
     m = x.shape[0]
+    if torch.compiler.is_compiling():
+        # inside a compiled step (engine/model/steps.py): traced into the step's own graph, after
+        # `realize` so the product does not redo the work that made x
+        if m <= SMALL_M:
+            xr = x if realize is None else realize(x)
+            return small_m_product(t, xr, *(p[n] for n in _PART_NAMES[t]))
+        return _sliced_outside_graph(t, p, x)
     if m <= SMALL_M:
         mode, _ = status()
         if mode == "compiled":

@@ -27,6 +27,7 @@ import types
 import torch
 
 from engine.errors import InputError, MtpchatError
+from engine.kernels import fused
 from engine.model.layers import ROW_PRODUCTS_MAX, set_row_products
 from engine.spec.modes import STEP_MODES
 
@@ -98,6 +99,18 @@ def _chain_step(model, *args):
 _STEPS = {"main": _main_step, "mtp": _mtp_step, "chain": _chain_step}
 
 
+def _weights_static(model) -> None:
+    """Give the packed weights' tensors static shapes in the traces. They are plain tensor attributes,
+    not parameters, so `dynamic=True` made their sizes symbols: the Q8_0 block size 32 became a loop
+    bound the C++ compiler could not unroll or vectorize for (0.8B shape: 52 ms a step, 2 threads)."""
+    from engine.kernels import PackedWeight
+    for mod in model.modules():
+        for v in vars(mod).values():
+            if isinstance(v, PackedWeight):
+                for t in v.parts.values():
+                    torch._dynamo.mark_static(t)
+
+
 class CompiledSteps:
     """The compiled `_main` / `_mtp` / `_chain` of one model. `main(*args)` / `mtp(*args)` / `chain(*args)`
     take the arguments of `Qwen35Model._main` / `_mtp` / `_chain` and return the result, or None when this
@@ -110,6 +123,8 @@ class CompiledSteps:
         # the model's float attributes (norm eps, rope theta) are constants: traced as such, not as graph
         # inputs converted to tensors on every call (15 per decode step of the demo model, ~45 us)
         cfg.specialize_float = True
+        fused.load_realize()
+        _weights_static(model)
         self.model, self.why, self.background = model, why, background
         self._cpu = model.device.type == "cpu"
         self._fns: dict[tuple, object] = {}    # kind of call -> its compiled function
