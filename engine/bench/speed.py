@@ -123,6 +123,7 @@ def run_speed(model, settings: SpeedSettings = SpeedSettings(), profile: bool = 
         cache = ModelCache(cfg, 1, n_ctx, mtp=cfg.has_mtp, device=dev,
                            kv_dtype={"bf16": torch.bfloat16, "f32": torch.float32}[engine_kv_dtype(dev.type)])
         # warm-up: compiles every kernel the timed runs use (prefill, decode, verify rows, MTP)
+        t_warm = time.perf_counter()
         out = model.forward(prompt, cache, logits="last")
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         for k in (0, *s.verify_k):
@@ -132,6 +133,7 @@ def run_speed(model, settings: SpeedSettings = SpeedSettings(), profile: bool = 
         if cfg.has_mtp:
             model.mtp_forward(tok, out.hidden[:, -1:], cache, logits="last")
             cache.truncate_mtp(0, 0)
+        res["warmup_s"] = round(time.perf_counter() - t_warm, 2)
 
         # prefill
         pre = []

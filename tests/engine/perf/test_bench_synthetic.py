@@ -20,7 +20,7 @@ def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def test_bench_synthetic_08b_q8_0_json_fields():
     # short setting: the real shape and type, few tokens, one repeat, one verification size
     r = _bench("--synthetic", "qwen35-0.8b:Q8_0", "--prompt-tokens", "16", "--decode-tokens", "3",
-               "--bench-repeats", "1", "--verify-k", "1", "--threads", "2", "--json")
+               "--bench-repeats", "1", "--verify-k", "1", "--threads", "2", "--steps", "eager", "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(r.stdout)
     assert doc["model"] == "synthetic qwen35-0.8b:Q8_0" and doc["threads"] == 2
@@ -35,6 +35,7 @@ def test_bench_synthetic_08b_q8_0_json_fields():
     assert doc["decode_tok_s"] > 0 and doc["prefill_tok_s"] > 0 and doc["read_bandwidth_gbs"] > 0
     assert set(doc["verify_cost"]) == {"1"} and doc["verify_cost"]["1"] > 0
     assert doc["peak_rss_bytes"] > doc["file_bytes"]
+    assert doc["steps"]["path"] == "eager" and doc["warmup_s"] > 0
     assert doc["gpu"] == {"available": False, "reason": "no CUDA device"} or doc["gpu"]["available"]
 
 
