@@ -55,6 +55,8 @@ def test_packed_product_matches_dense_reference(kernels, t):
         assert ((y - r).abs().max() / r.abs().max()) < 1e-5, (kernels, t.name, m)
     mode, reason = fused.status()
     assert mode == kernels and reason
+    # many rows (prefill): slices dequantized by a compiled pass on the compiled path, eagerly else
+    assert ((t, "dequant") in fused._state["compiled"]) == (kernels == "compiled")
 
 
 def test_small_matrices_stay_dense_by_default():
