@@ -70,6 +70,15 @@ def dequant_rows(t: T, p: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.T
     return w.reshape(*idx.shape, -1)
 
 
+def dequant_gathered(t: T, p: dict[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """Experts `idx` [N, k] of a 3-D packed weight -> float32 [N, k, out, in] (an expression: inside a
+    compiled step it fuses into the product that reads it)."""
+    sel = {key: v[idx] for key, v in p.items()}                   # [N, k, out, ...blocks]
+    lead = idx.shape + next(iter(sel.values())).shape[idx.dim():idx.dim() + 1]
+    flat = {key: v.flatten(0, idx.dim()) for key, v in sel.items()}
+    return dequant_view(t, flat).reshape(*lead, -1)
+
+
 def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32, M small -> [M, N]: one reduction per row over the same dequantized view,
     so a compiler fuses them into one pass over the weight."""

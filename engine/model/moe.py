@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import PackedWeight, fused
 from engine.model.layers import Linear, matmul_weight
 
 
@@ -46,7 +47,7 @@ class MoE(nn.Module):
         probs = torch.softmax(self.ffn_gate_inp(x2).float(), dim=-1)     # [N, X]
         top_w, top_i = probs.topk(self.n_used, dim=-1)                   # [N, k]
         top_w = top_w / top_w.sum(-1, keepdim=True)
-        if torch.compiler.is_compiling() and isinstance(self.ffn_gate_exps.weight, torch.Tensor):
+        if torch.compiler.is_compiling():
             routed = self._gathered(x2, top_i, top_w)   # no data-dependent control flow to trace
         else:
             routed = self._by_expert(x2, top_i, top_w)
@@ -58,6 +59,10 @@ class MoE(nn.Module):
         """The compiled step's form (a few rows): each row multiplies the gathered weights of its k
         experts: the products of `_by_expert`, summed in another order (last-bit differences)."""
         def proj(w, h):   # w [X, out, in], h [N, k, in] -> [N, k, out]
+            if isinstance(w, PackedWeight):
+                # the selected experts' blocks, dequantized inside one reduction (only their bytes read)
+                wk = fused.dequant_gathered(w.ggml_type, w.parts, top_i)      # [N, k, out, in] float32
+                return (fused.realize(h) if fused.realize is not None else h)[:, :, None, :].mul(wk).sum(-1)
             wk = w[top_i]
             return torch.einsum("nki,nkoi->nko", h.to(wk.dtype), wk).float()
 

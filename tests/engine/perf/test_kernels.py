@@ -125,8 +125,9 @@ def test_packed_model_gives_reference_tokens_compiled_every_fixture(kernels, nam
 
 
 @pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
-def test_whole_step_compiled_over_packed_weights(kernels, monkeypatch):
-    """compile_steps on a packed model: a decode step is one graph with the packed products traced in
+@pytest.mark.parametrize("name", ["tiny-qwen35-q8_0.gguf", pytest.param("tiny-qwen35moe-q8_0.gguf", marks=_slow)])
+def test_whole_step_compiled_over_packed_weights(kernels, name, monkeypatch):
+    """compile_steps on a packed model (dense and MoE): a decode step is one graph with the packed products traced in
     (no graph break, no nested compiled kernel), the packed tensors' shapes static (symbolic block
     sizes kept the C++ compiler from vectorizing: 0.8B shape 52 -> 35 ms a step), each product reading
     a realized activation; the same greedy tokens and logits (1e-3) as the eager packed model."""
@@ -145,7 +146,7 @@ def test_whole_step_compiled_over_packed_weights(kernels, monkeypatch):
         kw.pop("options", None)
         return real_compile(fn, backend=capture, **kw)
 
-    path = fixture_path("models/tiny-qwen35-q8_0.gguf")
+    path = fixture_path(f"models/{name}")
     prompt = [int(t) for t in np.load(fixture_path("ref/tiny-qwen35.npz"))["prompt_7"]]
     ref_toks, ref_logits = _greedy(load_model(path, packed=True), prompt, 8)
     model = load_model(path, packed=True)
