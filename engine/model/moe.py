@@ -62,7 +62,7 @@ class MoE(nn.Module):
             if isinstance(w, PackedWeight):
                 # the selected experts' blocks, dequantized inside one reduction (only their bytes read)
                 wk = fused.dequant_gathered(w.ggml_type, w.parts, top_i)      # [N, k, out, in] float32
-                return (fused.realize(h) if fused.realize is not None else h)[:, :, None, :].mul(wk).sum(-1)
+                return fused.realized(h)[:, :, None, :].mul(wk).sum(-1)
             wk = w[top_i]
             return torch.einsum("nki,nkoi->nko", h.to(wk.dtype), wk).float()
 
