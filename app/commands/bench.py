@@ -166,6 +166,7 @@ def _table(doc: dict) -> None:
                   " ".join(f"{a:.2f}" for a in r["accepted_per_position"]) or "-",
                   _fmt(r["mean_accepted_length"]), _fmt(r["plain_step_ms"], ".3f"),
                   " ".join(f"{v:.2f}({n})" for n, v in r["verify_ms"].items()) or "-",
+                  "in verify" if r.get("fused_rounds") and r["draft_step_ms"] is None else
                   _fmt(r["draft_step_ms"], ".3f"), _fmt(r["cache_mib"], ".1f"))
     Console(width=200).print(t)
     print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; steps: {doc['steps']['path']} ({doc['steps']['why']})")

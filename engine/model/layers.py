@@ -46,6 +46,8 @@ def matmul_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _row_products_of(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     lead = x.shape[:-1]
+    if not all(isinstance(d, int) for d in lead):
+        return None         # a symbolic row count (a round's draft step 1): the library product
     rows = 1
     for d in lead:
         rows *= d           # concrete ints: the caller's kind of call fixes them

@@ -351,6 +351,44 @@ class Qwen35Model(nn.Module):
             drafts.append(tok)
         return torch.cat(drafts, dim=1), hid
 
+    def draft_and_verify(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
+                         k: int, *, chunk: int = 64, block: int | None = None
+                         ) -> tuple[torch.Tensor, ForwardOutput, torch.Tensor]:
+        """A greedy speculative round's tensor work in one call: `draft_chain` (k drafts from tokens [B, T] /
+        hidden [B, T, E], the last row being the pending token s0 and its carry), then the verification
+        `forward` of [s0, d1..dk] (all logits, per-step GDN states) and its argmax. Returns drafts [B, k],
+        the verification's ForwardOutput and the target tokens [B, k+1] (long, on the device).
+        `cache.mtp_lengths` advances by T + k - 1 and `cache.lengths` by k + 1, as the two calls would.
+        With compiled steps this is one graph: a round pays one call's host overhead instead of two
+        plus the eager glue between them (demo model: see docs/benchmarks.md)."""
+        if not self.cfg.has_mtp:
+            raise InputError("mtp: this model file has no nextn (MTP) block")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        n = self.cfg.nextn_blocks[0] if block is None else block
+        B, T = tokens.shape
+        slots, slot_idx, c_pos, c_keys, c_single = self._slots(cache, slots, B, T + k - 1, cache.mtp_lengths)
+        _, _, m_pos, m_keys, m_single = self._slots(cache, slots, B, k + 1, cache.lengths)
+        args = (tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single, k, n, chunk)
+        res = None
+        if self._steps is not None and max(T + k - 1, k + 1) <= STEP_MAX_T:
+            res = self._steps.round(*args)
+        if res is None:
+            res = self._round(*args)
+        for s in slots:
+            cache.mtp_lengths[s] += T + k - 1
+            cache.lengths[s] += k + 1
+        drafts, h, h_final, lg, conv, ssm, target = res
+        return drafts, ForwardOutput(h, h_final, lg, GDNSteps(slots, k + 1, conv, ssm)), target
+
+    def _round(self, tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single, k, n,
+               chunk):
+        """The tensor work of `draft_and_verify`."""
+        drafts, _ = self._chain(tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, k, n)
+        rows = torch.cat([tokens[:, -1:], drafts], dim=1)
+        h, h_final, lg, conv, ssm = self._main(rows, cache, slot_idx, m_pos, m_keys, m_single, "all", chunk, True)
+        return drafts, h, h_final, lg, conv, ssm, lg.argmax(dim=-1)
+
     # -- compiled steps --------------------------------------------------------------------------
     def compile_steps(self, mode: str = "auto", *, background: bool = True) -> tuple[str, str]:
         """Run cached calls of up to STEP_MAX_T tokens (decode steps, MTP drafts, verification) as

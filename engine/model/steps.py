@@ -1,5 +1,6 @@
 """The compiled decode step: `torch.compile` over the whole cached forward of a few tokens (a decode
-step, a verification of k+1 rows, a chain of k MTP drafts, an MTP cache commit), so a small model's
+step, a verification of k+1 rows, a chain of k MTP drafts, an MTP cache commit, a greedy round's chain and
+verification together), so a small model's
 step runs as a handful of fused C++ (CPU) or Triton (CUDA) kernels instead of hundreds of eager
 operations.
 
@@ -96,7 +97,11 @@ def _chain_step(model, *args):
     return model._chain(*args)
 
 
-_STEPS = {"main": _main_step, "mtp": _mtp_step, "chain": _chain_step}
+def _round_step(model, *args):
+    return model._round(*args)
+
+
+_STEPS = {"main": _main_step, "mtp": _mtp_step, "chain": _chain_step, "round": _round_step}
 
 
 def _weights_static(model) -> None:
@@ -193,6 +198,22 @@ class CompiledSteps:
         return self._call(key(T), (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n), tokens.shape,
                           fixed, siblings)
 
+    def round(self, tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single, k, n, chunk):
+        # a chain then a verification of k+1 rows in one graph, one kind per k (and T = 1 or not): step 1's T
+        # stays symbolic (its products run as library matrix products, the drafts' numerics being free),
+        # the verification's k+1 rows are fixed (per-row products, the plain step's numerics)
+        T = tokens.shape[1]
+        fixed = c_single is not None and k + 1 <= ROW_PRODUCTS_MAX
+
+        def key(t: int) -> tuple:
+            return ("round", c_single is not None, t == 1, k, n, cache.n_slots == 1, cache.kv_dtype)
+
+        def siblings() -> list:
+            return [(key(t), (1, t)) for t in (1, 2) if (t == 1) != (T == 1)] if fixed else []
+
+        return self._call(key(T), (tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single,
+                                   k, n, chunk), tokens.shape, fixed, siblings)
+
     def _call(self, key, args, shape, fixed_rows: bool, siblings=list):
         """siblings() -> [(key, shape)]: kinds to queue along with this one (called only when queueing)."""
         if self._failed is not None:
@@ -284,8 +305,9 @@ class CompiledSteps:
         from engine.model.cache import ModelCache
 
         m = self.model
-        real = args[1] if key[0] == "main" else args[2]
-        single = args[5] if key[0] == "main" else args[6]
+        kind = key[0]
+        real = args[1] if kind == "main" else args[2]
+        single = args[5] if kind == "main" else args[6]
         B, T = shape
         # made like the real cache (an inference tensor or not: guards check the dispatch keys)
         with torch.inference_mode(real.buffers()[0].is_inference()):
@@ -298,15 +320,20 @@ class CompiledSteps:
             slots = list(range(B))
             start = _SCRATCH_START
         lengths = [start] * real.n_slots
-        rows = T + args[7] - 1 if key[0] == "chain" else T        # a chain's positions cover all its steps
+        k = {"chain": args[7], "round": args[10]}.get(kind, 1)
+        rows = T + k - 1                          # a chain's positions cover all its steps
         slots, slot_idx, positions, n_keys, single_s = m._slots(scratch, slots, B, rows, lengths)
         tokens = torch.zeros(shape, dtype=torch.long, device=m.device)
-        if key[0] == "main":
+        if kind == "main":
             rest = args[6:]
             call = (tokens, scratch, slot_idx, positions, n_keys, single_s, *rest)
         else:
             hidden = torch.zeros(B, T, m.cfg.n_embd, dtype=args[1].dtype, device=m.device)
             call = (tokens, hidden, scratch, slot_idx, positions, n_keys, single_s, *args[7:])
+            if kind == "round":
+                # the verification starts where step 1's pending row is: T - 1 rows after the chain's start
+                main = m._slots(scratch, slots, B, k + 1, [x + T - 1 for x in lengths])
+                call = (*call[:7], *main[2:], *args[10:])
         with self._lock:
             set_row_products(fixed_rows and self._cpu)
             self._fn(key)(m, *call)

@@ -378,6 +378,12 @@ class ModelBackend(SlotBackend):
         s0 = torch.tensor([[t] for t in s0_host], dtype=torch.long, device=dev)
         P = [len(self.slots[s].tokens) for s in slots]
         d = torch.zeros(B, K, dtype=torch.long, device=dev)           # drafts; padding past a slot's k
+        samplers = [self.slots[s].run.sampler for s in slots]
+        # every slot drafts K and decodes greedily: drafting and verification in one call (one compiled
+        # graph), whose time counts as verification
+        fused = (len(spec) == B and all(k == K for k in ks) and all(sm.plain_greedy for sm in samplers)
+                 and self.model.steps_status[0] == "compiled")
+        targets = out = None
         if spec and all(ks[i] == K for i in spec):
             # every drafting slot drafts K: the whole chain in one call (one compiled graph)
             if ride:
@@ -388,7 +394,10 @@ class ModelBackend(SlotBackend):
             else:
                 x = s0[spec]
                 hid = torch.stack([self.slots[s].carry for s in spec_slots])[:, None]
-            d[spec], _ = self.model.draft_chain(x, hid, self.cache, spec_slots, K)
+            if fused:
+                d, out, targets = self.model.draft_and_verify(x, hid, self.cache, slots, K, chunk=self.delta_chunk)
+            else:
+                d[spec], _ = self.model.draft_chain(x, hid, self.cache, spec_slots, K)
             for i in spec:
                 self.cache.truncate_mtp(slots[i], P[i] + 1)  # keep E(P) of step 1, drop the chain's scratch
         elif spec:
@@ -414,13 +423,15 @@ class ModelBackend(SlotBackend):
             if ks[i] == 0 and self.has_mtp and st.run.uses_mtp:   # a plain step: E(P) queued (§5.3)
                 st.mtp_queue_tokens.append(s0_host[i])
                 st.mtp_queue_hidden.append(st.carry)
-        t1 = time.perf_counter()
-        rows = torch.cat([s0, d], dim=1)                               # [B, K+1]
-        out = self.model.forward(rows, self.cache, slots, logits="all", chunk=self.delta_chunk, gdn_steps=True)
-        samplers = [self.slots[s].run.sampler for s in slots]
+        t1 = t0 if fused else time.perf_counter()
+        if not fused:
+            rows = torch.cat([s0, d], dim=1)                           # [B, K+1]
+            out = self.model.forward(rows, self.cache, slots, logits="all", chunk=self.delta_chunk, gdn_steps=True)
         if all(sm.plain_greedy for sm in samplers):
             # spec §3.2 for every slot at once: one argmax and one host read for the whole batch
-            both = torch.cat([d, out.logits.argmax(dim=-1)], dim=1).tolist()   # [B, K + (K+1)]
+            if targets is None:
+                targets = out.logits.argmax(dim=-1)
+            both = torch.cat([d, targets], dim=1).tolist()             # [B, K + (K+1)]
             d_host = [r[:K] for r in both]
             emitted = []
             for i, r in enumerate(both):

@@ -284,37 +284,59 @@ class SpecDecoder:
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             by_len.setdefault(len(s.mtp_queue), []).append(i)
+        # a greedy round whose rows share one step-1 length drafts and verifies in one call (one compiled
+        # graph): its time is all verify_s (draft_s 0), the drafting being inside the call
+        fused = (m.steps_status[0] == "compiled" and len(by_len) == 1 and opt.draft_hook is None
+                 and opt.rollback == "per_step" and all(s.sampler.params.greedy for s in seqs))
+        out = targets = None
         for idx in by_len.values():
             x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] for i in idx], dtype=torch.long,
                              device=m.device)
             hin = torch.stack([torch.stack(seqs[i].mtp_queue_hidden + [seqs[i].carry]) for i in idx])
-            dr, _ = m.draft_chain(x, hin, cache, [slots[i] for i in idx], k)
-            for j, i in enumerate(idx):
-                d_rows[i] = dr[j]
+            if fused:
+                d, out, targets = m.draft_and_verify(x, hin, cache, slots, k, chunk=opt.delta_chunk)
+            else:
+                dr, _ = m.draft_chain(x, hin, cache, [slots[i] for i in idx], k)
+                for j, i in enumerate(idx):
+                    d_rows[i] = dr[j]
+            for i in idx:
                 seqs[i].mtp_queue.clear()
                 seqs[i].mtp_queue_hidden.clear()
         for s, p in zip(seqs, P, strict=True):
             cache.truncate_mtp(s.slot, p + 1)     # keep E(P) of step 1, drop the scratch entries
-        d = torch.stack(d_rows)                   # [B, k]
-        if opt.draft_hook is not None:
-            d = torch.stack([opt.draft_hook(s.slot, p, d[i]) for i, (s, p) in enumerate(zip(seqs, P, strict=True))])
-        t1 = self.opt.clock()
-        snaps = [cache.snapshot_gdn(s.slot) for s in seqs] if opt.rollback == "redecode" else None
-        rows = torch.cat([s0, d], dim=1)          # [B, k+1] at positions P..P+k
-        out = m.forward(rows, cache, slots, logits="all", chunk=opt.delta_chunk, gdn_steps=opt.rollback == "per_step")
+        if fused:
+            t1 = t0
+        else:
+            d = torch.stack(d_rows)               # [B, k]
+            if opt.draft_hook is not None:
+                d = torch.stack([opt.draft_hook(s.slot, p, d[i]) for i, (s, p) in enumerate(zip(seqs, P, strict=True))])
+            t1 = self.opt.clock()
+            snaps = [cache.snapshot_gdn(s.slot) for s in seqs] if opt.rollback == "redecode" else None
+            rows = torch.cat([s0, d], dim=1)      # [B, k+1] at positions P..P+k
+            out = m.forward(rows, cache, slots, logits="all", chunk=opt.delta_chunk,
+                            gdn_steps=opt.rollback == "per_step")
         h = self._hidden(out)
-        # acceptance on the device, then the round's one host read
-        packed = []
-        for i, s in enumerate(seqs):
-            if s.sampler.params.greedy:
-                target = out.logits[i].argmax(dim=-1)                                  # [k+1]
-                a = accepted_prefix(target, d[i])
-            else:
-                # spec §3.3 sample-and-compare: row j drawn at the uniform of its position
-                a, y = sample_and_compare(s.sampler.probs(out.logits[i]), d[i], self._uniforms(s, k + 1))
-                target, a = y[:, 0], a[0]
-            packed.append(torch.cat([a.reshape(1), target]))
-        host = torch.stack(packed).tolist()
+        if targets is not None:
+            # drafts and targets in one host read; the accepted prefix counted here
+            host = []
+            for row in torch.cat([d, targets], dim=1).tolist():
+                dr, tg, a = row[:k], row[k:], 0
+                while a < k and dr[a] == tg[a]:
+                    a += 1
+                host.append([a, *tg])
+        else:
+            # acceptance on the device, then the round's one host read
+            packed = []
+            for i, s in enumerate(seqs):
+                if s.sampler.params.greedy:
+                    target = out.logits[i].argmax(dim=-1)                              # [k+1]
+                    a = accepted_prefix(target, d[i])
+                else:
+                    # spec §3.3 sample-and-compare: row j drawn at the uniform of its position
+                    a, y = sample_and_compare(s.sampler.probs(out.logits[i]), d[i], self._uniforms(s, k + 1))
+                    target, a = y[:, 0], a[0]
+                packed.append(torch.cat([a.reshape(1), target]))
+            host = torch.stack(packed).tolist()
         t2 = self.opt.clock()
         commits = []
         for i, s in enumerate(seqs):

@@ -69,6 +69,9 @@ def test_compiled_steps_match_eager(name):
         got = _gen(fast, prompts[:1], mode, k) + _gen(fast, prompts[1:], mode, k)
         assert got == want, (name, mode)
     assert fast._steps.n_compiled_calls > 0 and fast.steps_status[0] == "compiled"
+    # greedy rounds drafted and verified in one compiled graph (draft_and_verify), one and two sequences
+    rounds = {key[1] for key in fast._steps._ready if key[0] == "round"}
+    assert rounds == {True, False}, fast._steps._ready
     if name in ("dense", "moe"):    # the quantized files' greedy text differs from the f32 reference's
         assert got[0][:24] == ref["greedy_7"].tolist()
     with torch.inference_mode():
