@@ -25,7 +25,7 @@ from engine.scheduler.types import GenerationRequest
 from engine.spec.events import CALIBRATING, DISABLED, RoundEvent
 from engine.spec.gate import AdaptiveGate, DraftController, FixedPolicy, RoundTiming
 from engine.spec.policy import AutoPolicy
-from engine.spec.rejection import accepted_prefix
+from engine.spec.rejection import accepted_count, accepted_prefix
 
 
 @dataclass
@@ -435,9 +435,8 @@ class ModelBackend(SlotBackend):
             d_host = [r[:K] for r in both]
             emitted = []
             for i, r in enumerate(both):
-                dr, tg, a = r[:K], r[K:], 0
-                while a < ks[i] and dr[a] == tg[a]:
-                    a += 1
+                dr, tg = r[:K], r[K:]
+                a = accepted_count(dr, tg, ks[i])
                 emitted.append(dr[:a] + [tg[a]])
         else:
             d_host = d.tolist()

@@ -23,7 +23,13 @@ from engine.spec.events import RoundEvent, SpecStats
 from engine.spec.gate import AdaptiveGate, Decision, DraftController, FixedPolicy, RoundTiming
 from engine.spec.modes import HIDDEN_MODES, MTP_MODES, ROLLBACK_MODES
 from engine.spec.policy import AutoPolicy
-from engine.spec.rejection import accepted_prefix, draw_uniforms, inverse_cdf, sample_and_compare
+from engine.spec.rejection import (
+    accepted_count,
+    accepted_prefix,
+    draw_uniforms,
+    inverse_cdf,
+    sample_and_compare,
+)
 from engine.spec.stops import StopChecker, StopRule
 
 MTP_QUEUE_MAX = 256
@@ -320,10 +326,7 @@ class SpecDecoder:
             # drafts and targets in one host read; the accepted prefix counted here
             host = []
             for row in torch.cat([d, targets], dim=1).tolist():
-                dr, tg, a = row[:k], row[k:], 0
-                while a < k and dr[a] == tg[a]:
-                    a += 1
-                host.append([a, *tg])
+                host.append([accepted_count(row[:k], row[k:]), *row[k:]])
         else:
             # acceptance on the device, then the round's one host read
             packed = []

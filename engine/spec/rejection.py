@@ -23,6 +23,15 @@ def accepted_prefix(target: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
     return match.cumprod(dim=-1).sum(dim=-1)
 
 
+def accepted_count(drafts: list[int], target: list[int], k: int | None = None) -> int:
+    """`accepted_prefix` on host lists: leading drafts (of the first k, default all) equal to the targets."""
+    k = len(drafts) if k is None else k
+    a = 0
+    while a < k and drafts[a] == target[a]:
+        a += 1
+    return a
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Sample each row of probs at the uniforms u.
 
