@@ -320,7 +320,7 @@ class CompiledSteps:
             slots = list(range(B))
             start = _SCRATCH_START
         lengths = [start] * real.n_slots
-        k = {"chain": args[7], "round": args[10]}.get(kind, 1)
+        k = args[10] if kind == "round" else args[7] if kind == "chain" else 1
         rows = T + k - 1                          # a chain's positions cover all its steps
         slots, slot_idx, positions, n_keys, single_s = m._slots(scratch, slots, B, rows, lengths)
         tokens = torch.zeros(shape, dtype=torch.long, device=m.device)
