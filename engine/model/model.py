@@ -318,11 +318,7 @@ class Qwen35Model(nn.Module):
         hidden. Argmax stays on the device. Returns drafts [B, k] (long) and the last MTP hidden [B, 1, E];
         `cache.mtp_lengths` advances by T + k - 1 (callers truncate the chain's scratch entries).
         With compiled steps the whole chain is one graph (one call instead of k)."""
-        if not self.cfg.has_mtp:
-            raise InputError("mtp: this model file has no nextn (MTP) block")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        n = self.cfg.nextn_blocks[0] if block is None else block
+        n = self._chain_block(k, block)
         B, T = tokens.shape
         slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T + k - 1, cache.mtp_lengths)
         args = (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n)
@@ -334,6 +330,14 @@ class Qwen35Model(nn.Module):
         for s in slots:
             cache.mtp_lengths[s] += T + k - 1
         return res
+
+    def _chain_block(self, k: int, block: int | None) -> int:
+        """The nextn block a chain of k drafts runs (checks the model has one and k >= 1)."""
+        if not self.cfg.has_mtp:
+            raise InputError("mtp: this model file has no nextn (MTP) block")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        return self.cfg.nextn_blocks[0] if block is None else block
 
     def _chain(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n):
         """The tensor work of `draft_chain`; positions [B, T + k - 1] cover every step's rows."""
@@ -361,11 +365,7 @@ class Qwen35Model(nn.Module):
         `cache.mtp_lengths` advances by T + k - 1 and `cache.lengths` by k + 1, as the two calls would.
         With compiled steps this is one graph: a round pays one call's host overhead instead of two
         plus the eager glue between them (demo model: see docs/benchmarks.md)."""
-        if not self.cfg.has_mtp:
-            raise InputError("mtp: this model file has no nextn (MTP) block")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
-        n = self.cfg.nextn_blocks[0] if block is None else block
+        n = self._chain_block(k, block)
         B, T = tokens.shape
         slots, slot_idx, c_pos, c_keys, c_single = self._slots(cache, slots, B, T + k - 1, cache.mtp_lengths)
         _, _, m_pos, m_keys, m_single = self._slots(cache, slots, B, k + 1, cache.lengths)
