@@ -18,14 +18,22 @@ class KVView:
     """Where one attention block reads and writes its cache for one forward call.
 
     k, v: the block's buffers [n_slots, n_ctx, Hkv, D]; slot_idx [B] long; positions [B, T] long
-    (absolute position of every new token). Keys at cache rows <= a query's position are visible."""
+    (absolute position of every new token). Keys at cache rows <= a query's position are visible.
 
-    __slots__ = ("k", "v", "slot_idx", "positions", "n_keys", "single")
+    local: a draft chain's scratch rows (two lists of [B, 1, Hkv, D]). When given, a one-row step does
+    not write its key and value into the cache: it appends them to `local` and attends to the cache's
+    first n_keys rows plus every local row. The chain's steps 2..k are dropped after the round anyway,
+    and inside one compiled graph k successive writes into the same buffer were not done in place:
+    the chain rewrote the whole buffer (n_ctx rows) once per round."""
+
+    __slots__ = ("k", "v", "slot_idx", "positions", "n_keys", "single", "local")
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slot_idx: torch.Tensor, positions: torch.Tensor,
-                 n_keys: int, single: tuple[int, int] | None = None):
+                 n_keys: int, single: tuple[int, int] | None = None,
+                 local: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
         self.k, self.v, self.slot_idx, self.positions, self.n_keys = k, v, slot_idx, positions, n_keys
         self.single = single    # (slot, first position) when B == 1: plain slices instead of gathers
+        self.local = local
 
 
 class GatedAttention(nn.Module):
@@ -58,6 +66,9 @@ class GatedAttention(nn.Module):
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2).to(cdt), k.transpose(1, 2).to(cdt), v.transpose(1, 2).to(cdt),
                 is_causal=True, scale=self.scale, enable_gqa=Hkv != H)
+        elif kv.local is not None:
+            o = self._attend_local(q.to(cdt), k, v, kv)
+            return self.attn_output(o.float() * torch.sigmoid(gate))
         else:
             if kv.single is not None:                          # one row: views, no gather
                 s, p0 = kv.single
@@ -80,3 +91,35 @@ class GatedAttention(nn.Module):
                 attn_mask=mask, scale=self.scale, enable_gqa=Hkv != H)
         o = o.transpose(1, 2).reshape(B, T, H * D).float()
         return self.attn_output(o * torch.sigmoid(gate))
+
+    def _attend_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVView) -> torch.Tensor:
+        """One query row per sequence (q [B, 1, H, D]) over the cache's first n_keys rows and the chain's
+        local rows, this step's (k, v [B, 1, Hkv, D]) appended to them; softmax over both parts at once,
+        GQA as in `scaled_dot_product_attention(enable_gqa=True)`. Returns [B, 1, H * D]."""
+        B, T, H, D = q.shape
+        if T != 1:
+            raise ValueError(f"local (scratch) attention takes one row per sequence, got {T}")
+        Hkv = self.n_head_kv
+        g = H // Hkv
+        kv.local[0].append(k.to(kv.k.dtype))
+        kv.local[1].append(v.to(kv.v.dtype))
+        kl, vl = torch.cat(kv.local[0], dim=1), torch.cat(kv.local[1], dim=1)      # [B, J, Hkv, D]
+        if kv.single is not None:
+            s = kv.single[0]
+            kc, vc = kv.k[s:s + 1, :kv.n_keys], kv.v[s:s + 1, :kv.n_keys]          # [1, L, Hkv, D]
+            hidden = None
+        else:
+            kc, vc = kv.k[kv.slot_idx, :kv.n_keys], kv.v[kv.slot_idx, :kv.n_keys]
+            # a slot's cached rows end where its local rows begin (its positions are the last J)
+            hidden = (torch.arange(kv.n_keys, device=q.device)[None, :]
+                      > kv.positions[:, -1:] - kl.shape[1])                       # [B, L]
+        cdt = q.dtype
+        qh = q.reshape(B, Hkv, g, D)                                                # T == 1
+        sc = torch.matmul(qh, kc.to(cdt).permute(0, 2, 3, 1)) * self.scale         # [B, Hkv, g, L]
+        sl = torch.matmul(qh, kl.to(cdt).permute(0, 2, 3, 1)) * self.scale         # [B, Hkv, g, J]
+        if hidden is not None:
+            sc = sc.masked_fill(hidden[:, None, None, :], float("-inf"))
+        p = torch.softmax(torch.cat([sc, sl], dim=-1).float(), dim=-1).to(cdt)
+        L = kc.shape[1]
+        o = torch.matmul(p[..., :L], vc.to(cdt).transpose(1, 2)) + torch.matmul(p[..., L:], vl.to(cdt).transpose(1, 2))
+        return o.reshape(B, 1, H * D)

@@ -289,15 +289,16 @@ class Qwen35Model(nn.Module):
             cache.mtp_lengths[s] += T
         return MTPOutput(*res)
 
-    def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n):
-        """The tensor work of `mtp_forward` -> (post-norm hidden, logits or None)."""
+    def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None):
+        """The tensor work of `mtp_forward` -> (post-norm hidden, logits or None). local: a draft
+        chain's scratch rows (see `KVView`): this step's KV row joins them instead of the cache."""
         blk = self.blk[n]
         nx = blk.nextn
         emb = self.embed(tokens) if nx.embed_tokens is None else nx.embed_tokens.weight[tokens].float()
         u = nx.combine(emb, hidden)
         kv = None
         if cache is not None:
-            kv = KVView(cache.mtp_k[n], cache.mtp_v[n], slot_idx, positions, n_keys, single)
+            kv = KVView(cache.mtp_k[n], cache.mtp_v[n], slot_idx, positions, n_keys, single, local)
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         u = u + blk.mixer(blk.attn_norm(u), cos, sin, kv)
         u = blk.feed_forward(u)
@@ -315,8 +316,9 @@ class Qwen35Model(nn.Module):
         """k greedy MTP drafts per row in one call (spec §2): step 1 runs over the rows (token i, hidden
         i) of tokens [B, T] / hidden [B, T, E] (queued cache entries, then the pending token and its
         carry) with the head on the last row only; steps 2..k each take the previous draft and MTP
-        hidden. Argmax stays on the device. Returns drafts [B, k] (long) and the last MTP hidden [B, 1, E];
-        `cache.mtp_lengths` advances by T + k - 1 (callers truncate the chain's scratch entries).
+        hidden. Argmax stays on the device. Returns drafts [B, k] (long) and the last MTP hidden [B, 1, E].
+        Step 1's T rows are written to the MTP cache (`cache.mtp_lengths` advances by T); steps 2..k
+        attend to them and to each other's rows without writing the cache (scratch rows, see `KVView`).
         With compiled steps the whole chain is one graph (one call instead of k)."""
         n = self._chain_block(k, block)
         B, T = tokens.shape
@@ -328,7 +330,7 @@ class Qwen35Model(nn.Module):
         if res is None:
             res = self._chain(*args)
         for s in slots:
-            cache.mtp_lengths[s] += T + k - 1
+            cache.mtp_lengths[s] += T
         return res
 
     def _chain_block(self, k: int, block: int | None) -> int:
@@ -342,14 +344,15 @@ class Qwen35Model(nn.Module):
     def _chain(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n):
         """The tensor work of `draft_chain`; positions [B, T + k - 1] cover every step's rows."""
         T = tokens.shape[1]
-        hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_keys - k + 1, single, "last", n)
+        n_cached = n_keys - k + 1                  # cache rows once step 1 has written its T rows
+        hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n)
         tok = lg[:, -1:].argmax(dim=-1)
         hid = hm[:, -1:]
         drafts = [tok]
+        local = None if cache is None else ([], [])
         for j in range(1, k):
-            at = None if single is None else (single[0], single[1] + T + j - 1)
-            hm, lg = self._mtp(tok, hid, cache, slot_idx, positions[:, T + j - 1:T + j], n_keys - k + 1 + j, at,
-                               "last", n)
+            hm, lg = self._mtp(tok, hid, cache, slot_idx, positions[:, T + j - 1:T + j], n_cached, single,
+                               "last", n, local)
             tok = lg[:, -1:].argmax(dim=-1)
             hid = hm
             drafts.append(tok)
@@ -362,7 +365,7 @@ class Qwen35Model(nn.Module):
         hidden [B, T, E], the last row being the pending token s0 and its carry), then the verification
         `forward` of [s0, d1..dk] (all logits, per-step GDN states) and its argmax. Returns drafts [B, k],
         the verification's ForwardOutput and the target tokens [B, k+1] (long, on the device).
-        `cache.mtp_lengths` advances by T + k - 1 and `cache.lengths` by k + 1, as the two calls would.
+        `cache.mtp_lengths` advances by T and `cache.lengths` by k + 1, as the two calls would.
         With compiled steps this is one graph: a round pays one call's host overhead instead of two
         plus the eager glue between them (demo model: see docs/benchmarks.md)."""
         n = self._chain_block(k, block)
@@ -376,7 +379,7 @@ class Qwen35Model(nn.Module):
         if res is None:
             res = self._round(*args)
         for s in slots:
-            cache.mtp_lengths[s] += T + k - 1
+            cache.mtp_lengths[s] += T
             cache.lengths[s] += k + 1
         drafts, h, h_final, lg, conv, ssm, target = res
         return drafts, ForwardOutput(h, h_final, lg, GDNSteps(slots, k + 1, conv, ssm)), target

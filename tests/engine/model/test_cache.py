@@ -143,8 +143,9 @@ def test_mtp_cache_truncate_and_draft_chain(model):
 @pytest.mark.parametrize("queued", [0, 3])
 def test_draft_chain_equals_step_by_step_drafting(model, queued):
     """`draft_chain` (one call, one compiled graph when enabled) drafts what k single MTP steps draft,
-    with queued entries riding along in step 1, for two slots at different lengths; the MTP cache
-    holds the same rows and lengths afterwards."""
+    with queued entries riding along in step 1, for two slots at different lengths (so steps 2..k
+    mask each slot's own cache end); the MTP cache then holds step 1's rows, the same as the single
+    steps wrote, and steps 2..k wrote nothing (their rows are scratch)."""
     k = 3
     caches = [ModelCache(model.cfg, 2, 64) for _ in range(2)]
     hid = {}
@@ -168,10 +169,12 @@ def test_draft_chain_equals_step_by_step_drafting(model, queued):
     got, last = model.draft_chain(rows, rows_h, caches[1], [0, 1], k)
     assert torch.equal(got, torch.cat(want, dim=1)) and got.shape == (2, k)
     assert torch.allclose(last, h, **TIGHT)
-    assert caches[1].mtp_lengths == one.mtp_lengths
-    n = max(one.mtp_lengths)
+    assert caches[1].mtp_lengths == [n - (k - 1) for n in one.mtp_lengths]
     n_mtp = model.cfg.nextn_blocks[0]
-    assert torch.allclose(caches[1].mtp_k[n_mtp][:, :n], one.mtp_k[n_mtp][:, :n], **TIGHT)
+    for s, n in enumerate(caches[1].mtp_lengths):
+        assert torch.allclose(caches[1].mtp_k[n_mtp][s, :n], one.mtp_k[n_mtp][s, :n], **TIGHT)
+        assert torch.allclose(caches[1].mtp_v[n_mtp][s, :n], one.mtp_v[n_mtp][s, :n], **TIGHT)
+        assert not caches[1].mtp_k[n_mtp][s, n:].any()      # nothing written past step 1
 
 
 def test_context_overflow_is_an_input_error(model):

@@ -4,6 +4,9 @@ background mode runs eager until a kind of step is compiled; every failure falls
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 import torch
 
@@ -83,6 +86,49 @@ def test_compiled_steps_match_eager(name):
             outs.append(m.forward(tok[:, :1], c, logits="all").logits)
     scale = outs[0].abs().max()
     assert (outs[1] - outs[0]).abs().max() <= 1e-3 * scale
+
+
+@needs_cxx
+def test_compiled_round_leaves_the_cache_past_step_one_alone():
+    """A greedy round's draft steps 2..k keep their MTP keys and values out of the cache (scratch rows):
+    the compiled round writes only step 1's rows, and its cost does not grow with the cache's size. When
+    the chain wrote its scratch rows into the cache, the compiled graph rewrote the whole MTP buffer every
+    round: on the demo model 16.1 ms a round against 2.2 with a server's 4 slots x 4096 tokens."""
+    path, _ = MODELS["dense"]
+    m = load_model(fixture_path(path))
+    m.compile_steps("compiled", background=False)
+    n_mtp, k = m.cfg.nextn_blocks[0], 3
+    prompt = torch.arange(40, 52)[None]
+    rounds = {}
+    with torch.inference_mode():
+        for n_ctx in (64, 1 << 16):
+            cache = ModelCache(m.cfg, 1, n_ctx)
+            out = m.forward(prompt, cache, logits="last")
+            m.mtp_forward(prompt[:, 1:], out.hidden[:, :-1], cache, logits="none")
+            cache.mtp_k[n_mtp][0, cache.mtp_lengths[0]:] = 7.0
+            tok, hid = out.logits[:, -1:].argmax(-1), out.hidden[:, -1:]
+            L, LM = cache.lengths[0], cache.mtp_lengths[0]
+
+            def one_round(cache=cache, tok=tok, hid=hid, L=L, LM=LM, check=False):
+                d, o, target = m.draft_and_verify(tok, hid, cache, [0], k)
+                target.tolist()
+                if check:
+                    assert cache.mtp_lengths[0] == LM + 1               # step 1's row only
+                    assert bool((cache.mtp_k[n_mtp][0, LM + 1:] == 7.0).all())
+                cache.rollback(o.gdn_steps, [1])
+                cache.truncate(0, L)
+                cache.truncate_mtp(0, LM)
+            one_round(check=True)
+            rounds[n_ctx] = one_round
+        times = {n: [] for n in rounds}
+        for _ in range(15):
+            for n, f in rounds.items():
+                t0 = time.perf_counter()
+                f()
+                times[n].append(time.perf_counter() - t0)
+    assert m._steps.n_eager_calls == 0
+    small, big = (statistics.median(times[n]) for n in (64, 1 << 16))
+    assert big < 2.0 * small, (small, big)
 
 
 @needs_cxx
