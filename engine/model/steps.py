@@ -116,6 +116,24 @@ def _weights_static(model) -> None:
                     torch._dynamo.mark_static(t)
 
 
+def _fixed_batch(single, B: int, T: int) -> int:
+    """B when a call of several sequences has few enough rows (B x T) for per-row products, else 0.
+    Such a kind is compiled for its B (at most ROW_PRODUCTS_MAX kinds): with the library's small-M product
+    a server's batch of 2 demo-model plain steps cost 2-5 single steps, with per-row products 1.2."""
+    return B if single is None and B * T <= ROW_PRODUCTS_MAX else 0
+
+
+def _mark_batch(key: tuple, args: tuple) -> None:
+    """For a kind compiled for one batch size (key[-1] = B > 0), make the leading dim of its per-sequence
+    tensors static when tracing (dynamic=True would make B a symbol, and per-row products need it fixed);
+    later calls pass the graph's size guards as they are."""
+    B = key[-1] if isinstance(key[-1], int) and not isinstance(key[-1], bool) else 0
+    if B > 0:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == B:
+                torch._dynamo.mark_static(a, 0)
+
+
 class CompiledSteps:
     """The compiled `_main` / `_mtp` / `_chain` of one model. `main(*args)` / `mtp(*args)` / `chain(*args)`
     take the arguments of `Qwen35Model._main` / `_mtp` / `_chain` and return the result, or None when this
@@ -167,19 +185,23 @@ class CompiledSteps:
 
     # -- calls -------------------------------------------------------------------------------------
     # A kind of call has a fixed row count when it serves one sequence (B = 1) and its T is part of its
-    # key; its weight multiplies then run as per-row products (engine.model.layers.matmul_weight).
+    # key, or several sequences with B x T <= ROW_PRODUCTS_MAX and B part of its key (a server's batch of
+    # plain steps); its weight multiplies then run as per-row products (engine.model.layers.matmul_weight).
 
     def main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps):
-        T = tokens.shape[1]
-        key = ("main", single is not None, T, logits, bool(gdn_steps), cache.n_slots == 1, cache.kv_dtype)
+        B, T = tokens.shape
+        batch = _fixed_batch(single, B, T)
+        key = ("main", single is not None, T, logits, bool(gdn_steps), cache.n_slots == 1, cache.kv_dtype, batch)
         return self._call(key, (tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps),
-                          tokens.shape, single is not None and T <= ROW_PRODUCTS_MAX)
+                          tokens.shape, (single is not None and T <= ROW_PRODUCTS_MAX) or batch > 0)
 
     def mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n):
         # the MTP graph is dynamic in T (> 1); the main one specialises T (the verification's length)
-        key = ("mtp", single is not None, tokens.shape[1] == 1, logits, n, cache.n_slots == 1, cache.kv_dtype)
+        B, T = tokens.shape
+        batch = _fixed_batch(single, B, T) if T == 1 else 0
+        key = ("mtp", single is not None, T == 1, logits, n, cache.n_slots == 1, cache.kv_dtype, batch)
         return self._call(key, (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n),
-                          tokens.shape, single is not None and tokens.shape[1] == 1)
+                          tokens.shape, (single is not None and T == 1) or batch > 0)
 
     def chain(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n):
         # k is fixed per graph (the chain unrolls); so is the first step's length T for one sequence with
@@ -228,6 +250,7 @@ class CompiledSteps:
             self.n_eager_calls += 1
             return None
         fn = self._fn(key)
+        _mark_batch(key, args)
         if not self._lock.acquire(blocking=not self.background):
             self.n_eager_calls += 1
             return None                      # the worker is compiling: this step runs eager
@@ -334,6 +357,7 @@ class CompiledSteps:
                 # the verification starts where step 1's pending row is: T - 1 rows after the chain's start
                 main = m._slots(scratch, slots, B, k + 1, [x + T - 1 for x in lengths])
                 call = (*call[:7], *main[2:], *args[10:])
+        _mark_batch(key, call)
         with self._lock:
             set_row_products(fixed_rows and self._cpu)
             self._fn(key)(m, *call)
