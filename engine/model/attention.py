@@ -68,7 +68,6 @@ class GatedAttention(nn.Module):
                 is_causal=True, scale=self.scale, enable_gqa=Hkv != H)
         elif kv.local is not None:
             o = self._attend_local(q.to(cdt), k, v, kv)
-            return self.attn_output(o.float() * torch.sigmoid(gate))
         else:
             if kv.single is not None:                          # one row: views, no gather
                 s, p0 = kv.single
@@ -95,7 +94,7 @@ class GatedAttention(nn.Module):
     def _attend_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVView) -> torch.Tensor:
         """One query row per sequence (q [B, 1, H, D]) over the cache's first n_keys rows and the chain's
         local rows, this step's (k, v [B, 1, Hkv, D]) appended to them; softmax over both parts at once,
-        GQA as in `scaled_dot_product_attention(enable_gqa=True)`. Returns [B, 1, H * D]."""
+        GQA as in `scaled_dot_product_attention(enable_gqa=True)`. Returns [B, H, 1, D] (as that does)."""
         B, T, H, D = q.shape
         if T != 1:
             raise ValueError(f"local (scratch) attention takes one row per sequence, got {T}")
@@ -107,19 +106,19 @@ class GatedAttention(nn.Module):
         if kv.single is not None:
             s = kv.single[0]
             kc, vc = kv.k[s:s + 1, :kv.n_keys], kv.v[s:s + 1, :kv.n_keys]          # [1, L, Hkv, D]
-            hidden = None
+            masked = None
         else:
             kc, vc = kv.k[kv.slot_idx, :kv.n_keys], kv.v[kv.slot_idx, :kv.n_keys]
             # a slot's cached rows end where its local rows begin (its positions are the last J)
-            hidden = (torch.arange(kv.n_keys, device=q.device)[None, :]
+            masked = (torch.arange(kv.n_keys, device=q.device)[None, :]
                       > kv.positions[:, -1:] - kl.shape[1])                       # [B, L]
         cdt = q.dtype
         qh = q.reshape(B, Hkv, g, D)                                                # T == 1
         sc = torch.matmul(qh, kc.to(cdt).permute(0, 2, 3, 1)) * self.scale         # [B, Hkv, g, L]
         sl = torch.matmul(qh, kl.to(cdt).permute(0, 2, 3, 1)) * self.scale         # [B, Hkv, g, J]
-        if hidden is not None:
-            sc = sc.masked_fill(hidden[:, None, None, :], float("-inf"))
+        if masked is not None:
+            sc = sc.masked_fill(masked[:, None, None, :], float("-inf"))
         p = torch.softmax(torch.cat([sc, sl], dim=-1).float(), dim=-1).to(cdt)
         L = kc.shape[1]
         o = torch.matmul(p[..., :L], vc.to(cdt).transpose(1, 2)) + torch.matmul(p[..., L:], vl.to(cdt).transpose(1, 2))
-        return o.reshape(B, 1, H * D)
+        return o.reshape(B, H, 1, D)                                                # head h = kv head * g + i
