@@ -124,10 +124,10 @@ def _fixed_batch(single, B: int, T: int) -> int:
 
 
 def _mark_batch(key: tuple, args: tuple) -> None:
-    """For a kind compiled for one batch size (key[-1] = B > 0), make the leading dim of its per-sequence
-    tensors static when tracing (dynamic=True would make B a symbol, and per-row products need it fixed);
-    later calls pass the graph's size guards as they are."""
-    B = key[-1] if isinstance(key[-1], int) and not isinstance(key[-1], bool) else 0
+    """For a kind compiled for one batch size (every key ends with it: B > 0, else 0), make the leading
+    dim of its per-sequence tensors static when tracing (dynamic=True would make B a symbol, and per-row
+    products need it fixed); later calls pass the graph's size guards as they are."""
+    B = key[-1]
     if B > 0:
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == B:
@@ -210,7 +210,7 @@ class CompiledSteps:
         fixed = single is not None and T <= ROW_PRODUCTS_MAX
 
         def key(t: int) -> tuple:
-            return ("chain", single is not None, t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype)
+            return ("chain", single is not None, t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, 0)
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
         # compile together, so a request does not meet a new kind of chain at every new acceptance count
@@ -228,7 +228,7 @@ class CompiledSteps:
         fixed = c_single is not None and k + 1 <= ROW_PRODUCTS_MAX
 
         def key(t: int) -> tuple:
-            return ("round", c_single is not None, t == 1, k, n, cache.n_slots == 1, cache.kv_dtype)
+            return ("round", c_single is not None, t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, 0)
 
         def siblings() -> list:
             return [(key(t), (1, t)) for t in (1, 2) if (t == 1) != (T == 1)] if fixed else []
