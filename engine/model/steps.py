@@ -206,11 +206,13 @@ class CompiledSteps:
     def chain(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n):
         # k is fixed per graph (the chain unrolls); so is the first step's length T for one sequence with
         # T <= ROW_PRODUCTS_MAX (T = 1 + the queued entries: a few kinds), else it is dynamic
-        T = tokens.shape[1]
+        B, T = tokens.shape
         fixed = single is not None and T <= ROW_PRODUCTS_MAX
+        batch = _fixed_batch(single, B, 1)       # several sequences: steps 2..k have B rows
 
         def key(t: int) -> tuple:
-            return ("chain", single is not None, t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, 0)
+            return ("chain", single is not None, t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
+                    batch)
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
         # compile together, so a request does not meet a new kind of chain at every new acceptance count
@@ -218,20 +220,23 @@ class CompiledSteps:
             return [(key(t), (1, t)) for t in range(1, min(k + 1, ROW_PRODUCTS_MAX) + 1) if t != T] if fixed else []
 
         return self._call(key(T), (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n), tokens.shape,
-                          fixed, siblings)
+                          fixed or batch > 0, siblings)
 
     def round(self, tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single, k, n, chunk):
         # a chain then a verification of k+1 rows in one graph, one kind per k (and T = 1 or not): step 1's T
         # stays symbolic (its products run as library matrix products, the drafts' numerics being free),
         # the verification's k+1 rows are fixed (per-row products, the plain step's numerics)
-        T = tokens.shape[1]
-        fixed = c_single is not None and k + 1 <= ROW_PRODUCTS_MAX
+        # (several sequences: compiled for their B when B x (k+1) rows fit the per-row products, as a batch of
+        # plain steps is, so a verification row has the plain step's numerics there too)
+        B, T = tokens.shape
+        batch = _fixed_batch(c_single, B, k + 1)
+        fixed = (c_single is not None and k + 1 <= ROW_PRODUCTS_MAX) or batch > 0
 
         def key(t: int) -> tuple:
-            return ("round", c_single is not None, t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, 0)
+            return ("round", c_single is not None, t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, batch)
 
         def siblings() -> list:
-            return [(key(t), (1, t)) for t in (1, 2) if (t == 1) != (T == 1)] if fixed else []
+            return [(key(t), (B, t)) for t in (1, 2) if (t == 1) != (T == 1)] if fixed else []
 
         return self._call(key(T), (tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single,
                                    k, n, chunk), tokens.shape, fixed, siblings)

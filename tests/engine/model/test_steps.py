@@ -75,6 +75,8 @@ def test_compiled_steps_match_eager(name):
     # greedy rounds drafted and verified in one compiled graph (draft_and_verify), one and two sequences
     rounds = {key[1] for key in fast._steps._ready if key[0] == "round"}
     assert rounds == {True, False}, fast._steps._ready
+    # two sequences x (k + 1) = 8 rows: compiled for B = 2 (per-row products, as their plain steps)
+    assert any(key[0] == "round" and key[-1] == 2 for key in fast._steps._ready), fast._steps._ready
     if name in ("dense", "moe"):    # the quantized files' greedy text differs from the f32 reference's
         assert got[0][:24] == ref["greedy_7"].tolist()
     with torch.inference_mode():
