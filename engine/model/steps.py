@@ -116,6 +116,13 @@ def _weights_static(model) -> None:
                     torch._dynamo.mark_static(t)
 
 
+def _one(single) -> tuple[int, int] | None:
+    """A single-sequence call's (slot, start) as the compiled graph sees them: dynamo specialises the ints 0
+    and 1 (a graph traced at slot 2 serves every slot >= 2, not slot 0 or 1), so the kind of call keeps them
+    (a call for another slot would otherwise retrace in the caller's thread, ~1 s); None for several."""
+    return None if single is None else (min(single[0], 2), min(single[1], 2))
+
+
 def _fixed_batch(single, B: int, T: int) -> int:
     """B when a call of several sequences has few enough rows (B x T) for per-row products, else 0.
     Such a kind is compiled for its B (at most ROW_PRODUCTS_MAX kinds): with the library's small-M product
@@ -191,7 +198,7 @@ class CompiledSteps:
     def main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps):
         B, T = tokens.shape
         batch = _fixed_batch(single, B, T)
-        key = ("main", single is not None, T, logits, bool(gdn_steps), cache.n_slots == 1, cache.kv_dtype, batch)
+        key = ("main", _one(single), T, logits, bool(gdn_steps), cache.n_slots == 1, cache.kv_dtype, batch)
         return self._call(key, (tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps),
                           tokens.shape, (single is not None and T <= ROW_PRODUCTS_MAX) or batch > 0)
 
@@ -199,7 +206,7 @@ class CompiledSteps:
         # the MTP graph is dynamic in T (> 1); the main one specialises T (the verification's length)
         B, T = tokens.shape
         batch = _fixed_batch(single, B, T) if T == 1 else 0
-        key = ("mtp", single is not None, T == 1, logits, n, cache.n_slots == 1, cache.kv_dtype, batch)
+        key = ("mtp", _one(single), T == 1, logits, n, cache.n_slots == 1, cache.kv_dtype, batch)
         return self._call(key, (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n),
                           tokens.shape, (single is not None and T == 1) or batch > 0)
 
@@ -211,7 +218,7 @@ class CompiledSteps:
         batch = _fixed_batch(single, B, 1)       # several sequences: steps 2..k have B rows
 
         def key(t: int) -> tuple:
-            return ("chain", single is not None, t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
+            return ("chain", _one(single), t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
                     batch)
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
@@ -233,7 +240,7 @@ class CompiledSteps:
         fixed = (c_single is not None and k + 1 <= ROW_PRODUCTS_MAX) or batch > 0
 
         def key(t: int) -> tuple:
-            return ("round", c_single is not None, t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, batch)
+            return ("round", _one(c_single), t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, batch)
 
         def siblings() -> list:
             return [(key(t), (B, t)) for t in (1, 2) if (t == 1) != (T == 1)] if fixed else []
@@ -351,12 +358,16 @@ class CompiledSteps:
         k = args[10] if kind == "round" else args[7] if kind == "chain" else 1
         rows = T + k - 1                          # a chain's positions cover all its steps
         slots, slot_idx, positions, n_keys, single_s = m._slots(scratch, slots, B, rows, lengths)
-        tokens = torch.zeros(shape, dtype=torch.long, device=m.device)
+        # the caller's tokens and hidden rows may be inference tensors or not: the guards check the dispatch keys
+        with torch.inference_mode(args[0].is_inference()):
+            tokens = torch.zeros(shape, dtype=torch.long, device=m.device)
+        if kind != "main":
+            with torch.inference_mode(args[1].is_inference()):
+                hidden = torch.zeros(B, T, m.cfg.n_embd, dtype=args[1].dtype, device=m.device)
         if kind == "main":
             rest = args[6:]
             call = (tokens, scratch, slot_idx, positions, n_keys, single_s, *rest)
         else:
-            hidden = torch.zeros(B, T, m.cfg.n_embd, dtype=args[1].dtype, device=m.device)
             call = (tokens, hidden, scratch, slot_idx, positions, n_keys, single_s, *args[7:])
             if kind == "round":
                 # the verification starts where step 1's pending row is: T - 1 rows after the chain's start

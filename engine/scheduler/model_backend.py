@@ -282,8 +282,8 @@ class ModelBackend(SlotBackend):
         if nxt:
             end = min(nxt)
         last = end == len(prompt)
-        x = torch.tensor([prompt[run.pos:end]], dtype=torch.long, device=self.model.device)
-        with torch.inference_mode():
+        with torch.inference_mode():   # x too: a compiled step's guards tell inference tensors from others
+            x = torch.tensor([prompt[run.pos:end]], dtype=torch.long, device=self.model.device)
             out = self.model.forward(x, self.cache, [slot], logits="last" if last else "none", chunk=self.delta_chunk)
             if self.has_mtp and run.uses_mtp:
                 prev = None if st.carry is None else st.carry[None]

@@ -73,7 +73,7 @@ def test_compiled_steps_match_eager(name):
         assert got == want, (name, mode)
     assert fast._steps.n_compiled_calls > 0 and fast.steps_status[0] == "compiled"
     # greedy rounds drafted and verified in one compiled graph (draft_and_verify), one and two sequences
-    rounds = {key[1] for key in fast._steps._ready if key[0] == "round"}
+    rounds = {key[1] is not None for key in fast._steps._ready if key[0] == "round"}
     assert rounds == {True, False}, fast._steps._ready
     # two sequences x (k + 1) = 8 rows: compiled for B = 2 (per-row products, as their plain steps)
     assert any(key[0] == "round" and key[-1] == 2 for key in fast._steps._ready), fast._steps._ready
@@ -154,6 +154,50 @@ def test_background_mode_runs_eager_until_compiled():
     # thread's tracing would: "FX to symbolically trace a dynamo-optimized function")
     assert fast.steps_status[0] == "compiled", fast.steps_status
     fast._steps.close()
+
+
+def test_each_slot_class_is_a_kind_of_its_own_compiled_in_the_background():
+    """Dynamo specialises the ints 0 and 1, so a graph traced for slot 0 does not serve slot 1 (nor a start
+    of 0 or 1 one traced at a later position): such a call must not find the other's kind ready and retrace
+    in the decoding thread (~1 s on the demo model), but run eager while the worker compiles its own kind.
+    The warm-up call mirrors the caller's tensors (inference tensors or not: the guards check that).
+    A recording function stands in for the compiled graph (no inductor here)."""
+    path, _ = MODELS["dense"]
+    model = load_model(fixture_path(path))
+    model.compile_steps("compiled", background=True)
+    steps = model._steps
+    seen = []
+
+    def fake(key):
+        def run(m, *args):
+            seen.append((key, args[0].is_inference()))
+            return getattr(m, "_" + key[0])(*args)
+        return run
+
+    steps._fn = fake
+    cache = ModelCache(model.cfg, 3, 64)
+    with torch.inference_mode(False):              # (the tests run in inference mode)
+        tok = torch.tensor([[5]])                  # a caller's tensor that is not an inference tensor
+    model.forward(torch.tensor([[1, 2, 3]] * 3), cache, logits="none")
+    try:
+        for slot in (0, 1, 2):
+            assert steps.main(*_main_args(model, cache, tok, slot)) is None      # queued, eager meanwhile
+            assert steps.drain(timeout=60)
+            before = len(seen)
+            assert steps.main(*_main_args(model, cache, tok, slot)) is not None  # its own kind, ready
+            assert len(seen) == before + 1
+        keys = {k for k, _ in seen}
+        assert {k[1] for k in keys} == {(0, 2), (1, 2), (2, 2)}, keys
+        assert all(inf is False for _, inf in seen), seen   # warm-ups made tokens like the caller's
+        assert steps_mod._one((7, 40)) == (2, 2) and steps_mod._one((0, 1)) == (0, 1)
+        assert steps_mod._one(None) is None
+    finally:
+        steps.close()
+
+
+def _main_args(model, cache, tok, slot):
+    slots, slot_idx, positions, n_keys, single = model._slots(cache, [slot], 1, 1, cache.lengths)
+    return tok, cache, slot_idx, positions, n_keys, single, "last", 64, False
 
 
 def test_compile_failure_falls_back_to_eager(monkeypatch):
