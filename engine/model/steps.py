@@ -193,7 +193,8 @@ class CompiledSteps:
     # -- calls -------------------------------------------------------------------------------------
     # A kind of call has a fixed row count when it serves one sequence (B = 1) and its T is part of its
     # key, or several sequences with B x T <= ROW_PRODUCTS_MAX and B part of its key (a server's batch of
-    # plain steps); its weight multiplies then run as per-row products (engine.model.layers.matmul_weight).
+    # plain steps, of rounds with B x (k+1) such rows and their chains' steps 2..k); its weight multiplies
+    # then run as per-row products (engine.model.layers.matmul_weight).
 
     def main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps):
         B, T = tokens.shape
