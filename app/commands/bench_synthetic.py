@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.bench import speed, synthetic
     from engine.model.model import load_model
+    from engine.model.steps import min_packed
 
     spec = args.synthetic
     shape, typ = synthetic.parse_spec(spec)
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     bandwidth = speed.measure_read_bandwidth()  # first: its buffer is freed before the model exists
     f = synthetic.build_synthetic(f"{shape}:{typ}", seed=args.seed)
-    model = load_model(f, packed=args.path == "packed")
+    model = load_model(f, packed=args.path == "packed", min_packed=min_packed(args.steps, "cpu"))
     # whole steps compiled as the app runs them (`--steps auto`: when a C++ compiler is there), on first
     # use in the warm-up: a 24-block model's kinds of step take minutes the first time, seconds from
     # inductor's on-disk cache after that (`warmup_s` in the output)

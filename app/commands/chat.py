@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from app.commands.logits import STEPS_HELP
+from app.commands.logits import STEPS_HELP, WEIGHTS, WEIGHTS_HELP, packed_weights
 from engine.errors import InputError
 from engine.spec.modes import STEP_MODES
 
@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-think", action="store_true", help="render the prompt with enable_thinking=false")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: the cores this process may use)")
     p.add_argument("--steps", choices=STEP_MODES, default="auto", help=f"{STEPS_HELP} (default auto)")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto", help=f"{WEIGHTS_HELP} (default auto)")
     p.set_defaults(func=run)
 
 
@@ -37,9 +38,10 @@ class TerminalChat:
     """One conversation on a one-slot scheduler; `reply(text, out)` streams the assistant turn to `out`."""
 
     def __init__(self, model_path: str, *, mtp: str, draft: int, max_tokens: int, temperature: float,
-                 system: str | None, think: bool, steps: str = "eager"):
+                 system: str | None, think: bool, steps: str = "eager", weights: str = "auto"):
         from engine.gguf import open_gguf
         from engine.model.model import load_model
+        from engine.model.steps import min_packed
         from engine.scheduler.model_backend import ModelBackend
         from engine.scheduler.scheduler import Scheduler
         from engine.scheduler.text import text_factory
@@ -49,7 +51,7 @@ class TerminalChat:
         f = open_gguf(model_path)
         self.tokenizer = Tokenizer.from_gguf(f)
         self.template = ChatTemplate.from_tokenizer_metadata(f.metadata, self.tokenizer)
-        model = load_model(f)
+        model = load_model(f, packed=packed_weights(weights, "cpu"), min_packed=min_packed(steps, "cpu"))
         self.steps_status = model.compile_steps(steps, background=steps == "auto")
         n_ctx = min(4096, model.cfg.context_length)
         backend = ModelBackend(model, self.tokenizer.special.eog, 1, n_ctx)
@@ -163,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(f"mtpchat: loading {path} …\n")
     chat = TerminalChat(path, mtp=args.mtp, draft=args.draft, max_tokens=args.max_tokens,
                         temperature=args.temperature, system=args.system, think=not args.no_think,
-                        steps=args.steps)
+                        steps=args.steps, weights=args.weights)
     path_, why = chat.steps_status
     sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}; steps {path_}: {why}). {HELP}\n")
     try:

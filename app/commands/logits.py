@@ -26,14 +26,25 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("logits", help="write the logits of one prefill to a .npy file",
                               description="Run one prefill of the given token ids and write the float32 logits "
                                           "[T, vocab] of every position (and, with --mtp-out, the MTP head's).")
-    add_model_args(p)
+    add_model_args(p, weights="dense")
     p.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--out", required=True, type=Path, help="output .npy file (float32 [T, vocab])")
     p.add_argument("--mtp-out", type=Path, help="also write the MTP head's logits (float32 [T, vocab])")
     p.set_defaults(func=run)
 
 
-def add_model_args(p: argparse.ArgumentParser, steps: str = "eager") -> None:
+WEIGHTS = ("auto", "dense", "packed")
+WEIGHTS_HELP = ("packed: quantized and 16-bit GGUF matrices kept in their file form, multiplied by fused kernels "
+                "(CPU: a Q8_0 step reads ~1 byte per weight); dense: dequantized float matrices (the reference "
+                "numerics); auto: packed on CPU, dense elsewhere")
+
+
+def packed_weights(choice: str, device: str) -> bool:
+    """Whether --weights asks for packed weights on this device (packing exists on CPU only)."""
+    return choice == "packed" or (choice == "auto" and str(device).startswith("cpu"))
+
+
+def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:
     """--model, --device, --dtype, --threads, --weights, --steps (shared with `generate` and `bench`)."""
     p.add_argument("--model", type=Path, help="GGUF model file (default: the bundled demo model)")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu (default) or cuda")
@@ -41,9 +52,7 @@ def add_model_args(p: argparse.ArgumentParser, steps: str = "eager") -> None:
                    help="weight dtype: float32 (default on cpu) or bfloat16 (default on cuda)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: the cores this process may use)")
-    p.add_argument("--weights", choices=("dense", "packed"), default="dense",
-                   help="dense: dequantized float matrices (reference, default); packed: GGUF blocks kept "
-                        "compact, multiplied by fused kernels (CPU; see mtpchat bench --synthetic)")
+    p.add_argument("--weights", choices=WEIGHTS, default=weights, help=f"{WEIGHTS_HELP} (default {weights})")
     p.add_argument("--steps", choices=STEP_MODES, default=steps,
                    help=f"{STEPS_HELP} (default {steps})")
 
@@ -56,6 +65,7 @@ def load_from_args(args: argparse.Namespace):
 
     from engine.gguf import open_gguf
     from engine.model import load_model
+    from engine.model.steps import min_packed
 
     if args.threads < 0:
         raise InputError(f"--threads: must be >= 0, got {args.threads}")
@@ -64,8 +74,9 @@ def load_from_args(args: argparse.Namespace):
         raise InputError("--device: cuda is not available on this machine")
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     f = open_gguf(args.model or default_model_path())
-    packed = getattr(args, "weights", "dense") == "packed"
-    model = load_model(f, device=args.device, dtype=getattr(torch, dtype_name), packed=packed)
+    packed = packed_weights(getattr(args, "weights", "dense"), args.device)
+    model = load_model(f, device=args.device, dtype=getattr(torch, dtype_name), packed=packed,
+                       min_packed=min_packed(args.steps, args.device))
     model.compile_steps(args.steps, background=args.steps == "auto")
     return f, model
 

@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from app.commands.logits import STEPS_HELP
+from app.commands.logits import STEPS_HELP, WEIGHTS, WEIGHTS_HELP, packed_weights
 from engine.errors import InputError
 from engine.resources import default_model_path
 from engine.spec.modes import STEP_MODES
@@ -56,6 +56,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--steps", choices=STEP_MODES, default="auto", help=f"{STEPS_HELP} (default auto)")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto", help=f"{WEIGHTS_HELP} (default auto)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for torch (default: the cores this process may use)")
     p.add_argument("--queue-timeout", type=float, default=600.0, metavar="S",
@@ -90,6 +91,7 @@ def build_state(args: argparse.Namespace):
     from app.server.chat import ChatText
     from engine.gguf import open_gguf
     from engine.model.model import load_model
+    from engine.model.steps import min_packed
     from engine.scheduler.model_backend import ModelBackend
     from engine.scheduler.scheduler import Scheduler
     from engine.scheduler.text import text_factory
@@ -113,7 +115,8 @@ def build_state(args: argparse.Namespace):
     template = ChatTemplate.from_tokenizer_metadata(f.metadata, tokenizer)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or (
         torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    model = load_model(f, device=args.device, dtype=dtype)
+    model = load_model(f, device=args.device, dtype=dtype, packed=packed_weights(args.weights, args.device),
+                       min_packed=min_packed(args.steps, args.device))
     steps_path, steps_why = model.compile_steps(args.steps, background=args.steps == "auto")
     logging.getLogger("mtpchat.serve").info("decode steps: %s (%s)", steps_path, steps_why)
     cfg = model.cfg

@@ -16,17 +16,21 @@ from gguf import GGMLQuantizationType as T
 from engine.kernels import fused
 
 PACKED_TYPES = (T.Q8_0, T.Q4_K, T.Q6_K, T.BF16, T.F16)
-# Below this many weights a matrix stays dense float32: one packed call costs ~0.1 ms of Python and
-# dispatch (torch.compile wrappers): about what reading a 512K-weight float32 matrix (2 MiB) costs.
+# Below this many weights a matrix stays dense float32 where products run as calls of their own (eager
+# steps): one packed call costs ~0.1 ms of Python and dispatch (torch.compile wrappers), about what
+# reading a 512K-weight float32 matrix (2 MiB) costs. Inside compiled steps a packed product is part of
+# the step's graph and costs no call, so there every matrix is packed (engine.model.steps.min_packed).
 PACKED_MIN_WEIGHTS = 1 << 19
 
 
-def worth_packing(ggml_type: T, shape: tuple[int, ...]) -> bool:
-    """Whether load_model(packed=True) keeps this weight packed (else: dense float32)."""
+def worth_packing(ggml_type: T, shape: tuple[int, ...], min_weights: int | None = None) -> bool:
+    """Whether load_model(packed=True) keeps this weight packed (else: dense float32). min_weights:
+    the smallest matrix packed (default PACKED_MIN_WEIGHTS)."""
     n = 1
     for d in shape:
         n *= d
-    return ggml_type in PACKED_TYPES and len(shape) >= 2 and n >= PACKED_MIN_WEIGHTS
+    floor = PACKED_MIN_WEIGHTS if min_weights is None else min_weights
+    return ggml_type in PACKED_TYPES and len(shape) >= 2 and n >= floor
 
 
 def _k_scales(sc12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -419,11 +419,13 @@ _REFUSED = ("ssm_in.weight", "ssm_ba.weight")
 
 
 def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, *,
-               packed: bool = False) -> Qwen35Model:
+               packed: bool = False, min_packed: int | None = None) -> Qwen35Model:
     """Build the model from a `GGUFFile` (or a path): every module parameter is the dense dequantized
     GGUF tensor of the same name (2-D/3-D weights in `dtype`, norms, ssm_a/dt/conv in float32).
     packed=True (CPU, float32): Q8_0/Q4_K/BF16/F16 matrices of ≥ 512K weights stay compact as `PackedWeight`s that
-    `matmul_weight` multiplies with the fused kernels of engine/kernels (the reference is packed=False)."""
+    `matmul_weight` multiplies with the fused kernels of engine/kernels (the reference is packed=False).
+    min_packed: the smallest matrix kept packed (default: PACKED_MIN_WEIGHTS; with compiled steps every
+    matrix pays, see `engine.model.steps.min_packed`)."""
     from engine.gguf import open_gguf
     from engine.gguf.validate import check_model_gguf
     from engine.weights import load_weights
@@ -452,7 +454,7 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
             numel *= d
         if numel != p.numel() or (len(w.shape) > 1 and tuple(w.shape[-1:]) != tuple(p.shape[-1:])):
             raise ModelFileError(f.path, f"{name}: shape {tuple(w.shape)} does not match the expected {tuple(p.shape)}")
-        if packed and device.type == "cpu" and worth_packing(w.ggml_type, tuple(w.shape)) \
+        if packed and device.type == "cpu" and worth_packing(w.ggml_type, tuple(w.shape), min_packed) \
                 and tuple(w.shape) == tuple(p.shape):
             _set_packed(model, pname, PackedWeight.from_gguf(name, w.ggml_type, tuple(w.shape), w.raw))
             used.add(name)

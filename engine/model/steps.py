@@ -70,6 +70,20 @@ def choose(mode: str, device: torch.device | str) -> tuple[str, str]:
     return "compiled", f"torch.compile (inductor C++) with {cxx}"
 
 
+def min_packed(mode: str, device: torch.device | str) -> int | None:
+    """The smallest matrix `load_model(packed=True)` should keep packed for steps run in `mode`: every one
+    (0) when they will be compiled on CPU, where a packed product is traced into the step's graph and costs
+    no call of its own (tiny Q8_0 fixture, 1 thread, same process: plain step 0.87 -> 0.60 ms, round of
+    k = 3 3.24 -> 2.13 ms, the same logits); else None (the size threshold of engine.kernels.packed)."""
+    if torch.device(device).type != "cpu":
+        return None
+    try:
+        path, _ = choose(mode, device)
+    except InputError:
+        return None               # 'compiled' without a toolchain: the caller's compile_steps says so
+    return 0 if path == "compiled" else None
+
+
 def _unavailable(mode: str, why: str) -> tuple[str, str]:
     if mode == "compiled":
         raise InputError(f"steps: compiled steps are not available here: {why}")

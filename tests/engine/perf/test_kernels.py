@@ -65,6 +65,30 @@ def test_small_matrices_stay_dense_by_default():
     assert worth_packing(T.Q6_K, (3584, 1024)) and not worth_packing(T.F32, (3584, 1024))
 
 
+def test_compiled_steps_pack_every_matrix(monkeypatch):
+    """With compiled CPU steps a packed product is part of the step's graph (no call of its own), so the
+    loader packs matrices of any size there; eager steps keep the size threshold; CUDA never packs."""
+    from engine.model.model import load_model
+    from engine.model.steps import _cxx, min_packed
+    monkeypatch.setenv("MTPCHAT_STEPS", "eager")
+    assert min_packed("eager", "cpu") is None and min_packed("auto", "cpu") is None
+    assert min_packed("compiled", "cuda") is None
+    if _cxx() is not None:
+        assert min_packed("compiled", "cpu") == 0
+        monkeypatch.delenv("MTPCHAT_STEPS")
+        assert min_packed("auto", "cpu") == 0
+    path = fixture_path("models/tiny-qwen35-q8_0.gguf")
+
+    def n_packed(model) -> int:
+        return sum(isinstance(v, PackedWeight) for m in model.modules() for v in vars(m).values())
+    from engine.gguf import open_gguf
+    from engine.kernels import PACKED_TYPES
+    f = open_gguf(path)
+    packable = sum(t.ggml_type in PACKED_TYPES and len(t.shape) >= 2 for t in f.tensors.values())
+    default, every = load_model(f, packed=True), load_model(f, packed=True, min_packed=0)
+    assert 0 < n_packed(default) < n_packed(every) == packable   # the fixture's matrices are mostly < 512K
+
+
 def test_q8_0_packed_quants_are_a_view_of_the_file_bytes():
     raw = pack(torch.randn(64, 256), T.Q8_0).reshape(-1)
     pw = PackedWeight.from_gguf("w", T.Q8_0, (64, 256), raw)
