@@ -169,7 +169,9 @@ def _table(doc: dict) -> None:
                   "in verify" if r.get("fused_rounds") and r["draft_step_ms"] is None else
                   _fmt(r["draft_step_ms"], ".3f"), _fmt(r["cache_mib"], ".1f"))
     Console(width=200).print(t)
-    print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; steps: {doc['steps']['path']} ({doc['steps']['why']})")
+    weights = ", ".join(f"{n} {form}" for form, n in sorted(doc["weights"].items()))
+    print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; matrices: {weights}; "
+          f"steps: {doc['steps']['path']} ({doc['steps']['why']})")
     if doc["steps"].get("eager_calls"):
         st = doc["steps"]
         print(f"note: {st['eager_calls']} of {st['eager_calls'] + st['compiled_calls']} timed model calls ran eager "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.bench.speed import weight_inventory
 from engine.spec.decode import SpecDecoder, SpecOptions
 from engine.spec.events import SpecStats
 from engine.spec.policy import AutoPolicy
@@ -165,6 +166,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
         "wrong_drafts": wrong_drafts, "hidden": hidden, "clock": clock,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "threads": torch.get_num_threads(), "device": str(model.device), "dtype": str(model.dtype).split(".")[-1],
+        "weights": weight_inventory(model),     # matrices per form: {"packed Q8_0": n, "dense float32": m}
         "steps": {**dict(zip(("path", "why"), model.steps_status, strict=True)),
                   # timed calls that ran compiled / eager (a kind first met in the timed runs runs eager
                   # while it compiles, and so does every step while the worker holds the tracer)

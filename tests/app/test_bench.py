@@ -31,6 +31,7 @@ def test_bench_json_reports_every_configuration(tmp_path, mtpchat):  # noqa: F81
     assert 1.0 <= on2["mean_accepted_length"] <= 3.0
     assert set(on2["verify_ms"]) >= {"3"} and on2["draft_step_ms"] > 0
     assert doc["prompts"] == 2 and doc["clock"] == "cpu" and doc["peak_rss_mib"] > 0
+    assert set(doc["weights"]) == {"dense float32"} and doc["weights"]["dense float32"] > 10  # F32: none packed
 
 
 def test_bench_wrong_drafts_are_never_accepted(tmp_path, mtpchat):  # noqa: F811
@@ -55,3 +56,17 @@ def test_bench_bad_flags_exit_2_with_one_line(args, message, mtpchat):  # noqa: 
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_bench_packs_a_quantized_file_by_default(mtpchat):  # noqa: F811
+    """--weights auto on CPU: a Q8_0 file's large matrices run packed (with the test suite's eager steps,
+    those of >= 512K weights: the fixture's embedding and head); --weights dense packs none."""
+    model = fixture_path("models/tiny-qwen35-q8_0.gguf")
+    docs = {}
+    for extra in ([], ["--weights", "dense"]):
+        r = mtpchat("bench", "--model", str(model), "--max-tokens", "4", "--mtp", "off", "--threads", "1",
+                    "--json", *extra)
+        assert r.returncode == 0, r.stderr
+        docs[" ".join(extra) or "auto"] = json.loads(r.stdout)["weights"]
+    assert docs["auto"].get("packed Q8_0", 0) >= 2 and docs["auto"]["dense float32"] > 0
+    assert set(docs["--weights dense"]) == {"dense float32"}
