@@ -36,12 +36,13 @@ def register(subparsers) -> None:
 WEIGHTS = ("auto", "dense", "packed")
 WEIGHTS_HELP = ("packed: quantized and 16-bit GGUF matrices kept in their file form, multiplied by fused kernels "
                 "(CPU: a Q8_0 step reads ~1 byte per weight); dense: dequantized float matrices (the reference "
-                "numerics); auto: packed on CPU, dense elsewhere")
+                "numerics); auto: packed on CPU with float32, dense elsewhere")
 
 
-def packed_weights(choice: str, device: str) -> bool:
-    """Whether --weights asks for packed weights on this device (packing exists on CPU only)."""
-    return choice == "packed" or (choice == "auto" and str(device).startswith("cpu"))
+def packed_weights(choice: str, device: str, dtype: str = "float32") -> bool:
+    """Whether --weights asks for packed weights on this device (packing exists on CPU only; `auto` leaves
+    a requested --dtype bfloat16 to the dense path, which holds the weights in that dtype)."""
+    return choice == "packed" or (choice == "auto" and str(device).startswith("cpu") and dtype == "float32")
 
 
 def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:
@@ -74,7 +75,7 @@ def load_from_args(args: argparse.Namespace):
         raise InputError("--device: cuda is not available on this machine")
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     f = open_gguf(args.model or default_model_path())
-    packed = packed_weights(getattr(args, "weights", "dense"), args.device)
+    packed = packed_weights(getattr(args, "weights", "dense"), args.device, dtype_name)
     model = load_model(f, device=args.device, dtype=getattr(torch, dtype_name), packed=packed,
                        min_packed=min_packed(args.steps, args.device))
     model.compile_steps(args.steps, background=args.steps == "auto")

@@ -115,7 +115,7 @@ def build_state(args: argparse.Namespace):
     template = ChatTemplate.from_tokenizer_metadata(f.metadata, tokenizer)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or (
         torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    model = load_model(f, device=args.device, dtype=dtype, packed=packed_weights(args.weights, args.device),
+    model = load_model(f, device=args.device, dtype=dtype, packed=packed_weights(args.weights, args.device, str(dtype).removeprefix("torch.")),
                        min_packed=min_packed(args.steps, args.device))
     steps_path, steps_why = model.compile_steps(args.steps, background=args.steps == "auto")
     logging.getLogger("mtpchat.serve").info("decode steps: %s (%s)", steps_path, steps_why)
