@@ -154,6 +154,8 @@ def _table(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from engine.bench.speed import describe_weights
+
     title = (f"{doc['model']}: {doc['prompts']} prompts x {doc['repeats']}, {doc['max_tokens']} tokens, "
              f"{doc['device']} {doc['dtype']}, {doc['threads']} threads, {doc['clock']} clock"
              + (", WRONG DRAFTS" if doc["wrong_drafts"] else ""))
@@ -169,8 +171,7 @@ def _table(doc: dict) -> None:
                   "in verify" if r.get("fused_rounds") and r["draft_step_ms"] is None else
                   _fmt(r["draft_step_ms"], ".3f"), _fmt(r["cache_mib"], ".1f"))
     Console(width=200).print(t)
-    weights = ", ".join(f"{n} {form}" for form, n in sorted(doc["weights"].items()))
-    print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; matrices: {weights}; "
+    print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; matrices: {describe_weights(doc['weights'])}; "
           f"steps: {doc['steps']['path']} ({doc['steps']['why']})")
     if doc["steps"].get("eager_calls"):
         st = doc["steps"]

@@ -39,6 +39,7 @@ class TerminalChat:
 
     def __init__(self, model_path: str, *, mtp: str, draft: int, max_tokens: int, temperature: float,
                  system: str | None, think: bool, steps: str = "eager", weights: str = "auto"):
+        from engine.bench.speed import describe_weights, weight_inventory
         from engine.gguf import open_gguf
         from engine.model.model import load_model
         from engine.model.steps import min_packed
@@ -53,6 +54,7 @@ class TerminalChat:
         self.template = ChatTemplate.from_tokenizer_metadata(f.metadata, self.tokenizer)
         model = load_model(f, packed=packed_weights(weights, "cpu"), min_packed=min_packed(steps, "cpu"))
         self.steps_status = model.compile_steps(steps, background=steps == "auto")
+        self.matrices = describe_weights(weight_inventory(model))   # e.g. "27 packed Q8_0, 4 dense float32"
         n_ctx = min(4096, model.cfg.context_length)
         backend = ModelBackend(model, self.tokenizer.special.eog, 1, n_ctx)
         self.scheduler = Scheduler(backend, text_factory(self.tokenizer.token_bytes), default_mtp=mtp,
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                         temperature=args.temperature, system=args.system, think=not args.no_think,
                         steps=args.steps, weights=args.weights)
     path_, why = chat.steps_status
-    sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}; steps {path_}: {why}). {HELP}\n")
+    sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}; steps {path_}: {why}; matrices: {chat.matrices}). {HELP}\n")
     try:
         while True:
             try:

@@ -89,6 +89,7 @@ def build_state(args: argparse.Namespace):
 
     from app.server.app import ServerConfig, ServerState
     from app.server.chat import ChatText
+    from engine.bench.speed import describe_weights, weight_inventory
     from engine.gguf import open_gguf
     from engine.model.model import load_model
     from engine.model.steps import min_packed
@@ -118,7 +119,8 @@ def build_state(args: argparse.Namespace):
     model = load_model(f, device=args.device, dtype=dtype, packed=packed_weights(args.weights, args.device, str(dtype).removeprefix("torch.")),
                        min_packed=min_packed(args.steps, args.device))
     steps_path, steps_why = model.compile_steps(args.steps, background=args.steps == "auto")
-    logging.getLogger("mtpchat.serve").info("decode steps: %s (%s)", steps_path, steps_why)
+    logging.getLogger("mtpchat.serve").info("decode steps: %s (%s); matrices: %s", steps_path, steps_why,
+                                            describe_weights(weight_inventory(model)))
     cfg = model.cfg
     n_ctx_slot = args.ctx // args.parallel if args.ctx else min(4096, cfg.context_length)
     if n_ctx_slot < 16:

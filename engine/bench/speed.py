@@ -89,6 +89,11 @@ def weight_inventory(model) -> dict[str, int]:
     return inv
 
 
+def describe_weights(inventory: dict[str, int]) -> str:
+    """`weight_inventory`'s counts as one phrase: '27 packed Q8_0, 4 dense float32'."""
+    return ", ".join(f"{n} {form}" for form, n in sorted(inventory.items())) or "none"
+
+
 def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3
 
