@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from app.commands.logits import STEPS_HELP, WEIGHTS, WEIGHTS_HELP, packed_weights
+from app.commands.logits import STEPS_HELP, WEIGHTS, WEIGHTS_HELP, load_model_as
 from engine.errors import InputError
 from engine.spec.modes import STEP_MODES
 
@@ -41,8 +41,6 @@ class TerminalChat:
                  system: str | None, think: bool, steps: str = "eager", weights: str = "auto"):
         from engine.bench.speed import describe_weights, weight_inventory
         from engine.gguf import open_gguf
-        from engine.model.model import load_model
-        from engine.model.steps import min_packed
         from engine.scheduler.model_backend import ModelBackend
         from engine.scheduler.scheduler import Scheduler
         from engine.scheduler.text import text_factory
@@ -52,7 +50,7 @@ class TerminalChat:
         f = open_gguf(model_path)
         self.tokenizer = Tokenizer.from_gguf(f)
         self.template = ChatTemplate.from_tokenizer_metadata(f.metadata, self.tokenizer)
-        model = load_model(f, packed=packed_weights(weights, "cpu"), min_packed=min_packed(steps, "cpu"))
+        model = load_model_as(f, weights, steps)
         self.steps_status = model.compile_steps(steps, background=steps == "auto")
         self.matrices = describe_weights(weight_inventory(model))   # e.g. "27 packed Q8_0, 4 dense float32"
         n_ctx = min(4096, model.cfg.context_length)

@@ -39,10 +39,20 @@ WEIGHTS_HELP = ("packed: quantized and 16-bit GGUF matrices kept in their file f
                 "numerics); auto: packed on CPU with float32, dense elsewhere")
 
 
-def packed_weights(choice: str, device: str, dtype: str = "float32") -> bool:
-    """Whether --weights asks for packed weights on this device (packing exists on CPU only; `auto` leaves
-    a requested --dtype bfloat16 to the dense path, which holds the weights in that dtype)."""
-    return choice == "packed" or (choice == "auto" and str(device).startswith("cpu") and dtype == "float32")
+def load_model_as(f, weights: str, steps: str, device: str = "cpu", dtype=None):
+    """`load_model` for the --weights / --steps / --device / --dtype choices of a command: packed weights
+    when asked for, or for `auto` on CPU in float32 (a requested bfloat16 stays with the dense path, which
+    holds the weights in that dtype; packing exists on CPU only), every matrix packed when the steps will
+    be compiled (`engine.model.steps.min_packed`)."""
+    import torch
+
+    from engine.model.model import load_model
+    from engine.model.steps import min_packed
+
+    dtype = dtype or torch.float32
+    packed = weights == "packed" or (weights == "auto" and str(device).startswith("cpu")
+                                     and dtype == torch.float32)
+    return load_model(f, device=device, dtype=dtype, packed=packed, min_packed=min_packed(steps, device))
 
 
 def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:
@@ -65,8 +75,6 @@ def load_from_args(args: argparse.Namespace):
     import torch
 
     from engine.gguf import open_gguf
-    from engine.model import load_model
-    from engine.model.steps import min_packed
 
     if args.threads < 0:
         raise InputError(f"--threads: must be >= 0, got {args.threads}")
@@ -75,9 +83,7 @@ def load_from_args(args: argparse.Namespace):
         raise InputError("--device: cuda is not available on this machine")
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     f = open_gguf(args.model or default_model_path())
-    packed = packed_weights(getattr(args, "weights", "dense"), args.device, dtype_name)
-    model = load_model(f, device=args.device, dtype=getattr(torch, dtype_name), packed=packed,
-                       min_packed=min_packed(args.steps, args.device))
+    model = load_model_as(f, getattr(args, "weights", "dense"), args.steps, args.device, getattr(torch, dtype_name))
     model.compile_steps(args.steps, background=args.steps == "auto")
     return f, model
 

@@ -11,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from app.commands.logits import STEPS_HELP, WEIGHTS, WEIGHTS_HELP, packed_weights
+from app.commands.logits import STEPS_HELP, WEIGHTS, WEIGHTS_HELP, load_model_as
 from engine.errors import InputError
 from engine.resources import default_model_path
 from engine.spec.modes import STEP_MODES
@@ -91,8 +91,6 @@ def build_state(args: argparse.Namespace):
     from app.server.chat import ChatText
     from engine.bench.speed import describe_weights, weight_inventory
     from engine.gguf import open_gguf
-    from engine.model.model import load_model
-    from engine.model.steps import min_packed
     from engine.scheduler.model_backend import ModelBackend
     from engine.scheduler.scheduler import Scheduler
     from engine.scheduler.text import text_factory
@@ -116,8 +114,7 @@ def build_state(args: argparse.Namespace):
     template = ChatTemplate.from_tokenizer_metadata(f.metadata, tokenizer)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or (
         torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    model = load_model(f, device=args.device, dtype=dtype, packed=packed_weights(args.weights, args.device, str(dtype).removeprefix("torch.")),
-                       min_packed=min_packed(args.steps, args.device))
+    model = load_model_as(f, args.weights, args.steps, args.device, dtype)
     steps_path, steps_why = model.compile_steps(args.steps, background=args.steps == "auto")
     logging.getLogger("mtpchat.serve").info("decode steps: %s (%s); matrices: %s", steps_path, steps_why,
                                             describe_weights(weight_inventory(model)))
