@@ -88,7 +88,7 @@ def encode_corpus(tok, texts: list[str], decision_weight: float = 1.0, gen_promp
     out = []
     for text, enc in zip(texts, tok.encode_batch(texts), strict=True):
         spans = assistant_spans(text)
-        ids = enc.ids
+        ids, offsets = enc.ids, enc.offsets   # each property read builds a new list: read them once
 
         def weight(off: tuple[int, int], spans=spans) -> float:
             for s, e in spans:
@@ -96,7 +96,7 @@ def encode_corpus(tok, texts: list[str], decision_weight: float = 1.0, gen_promp
                     return decision_weight if off[0] < s + DECISION_CHARS else 1.0
             return 0.0
 
-        w = [weight(enc.offsets[t + 1]) for t in range(len(ids) - 1)] + [0.0]
+        w = [weight(offsets[t + 1]) for t in range(len(ids) - 1)] + [0.0]
         if gen_prompt_split:
             ids, w = split_generation_prompt(tok, ids, w, choice_weight)
         out.append((ids, w))
