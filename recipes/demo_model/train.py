@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads; the result's bits depend on it (the shipped file: 2, as build.sh)")
     p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint (a second stage)")
     p.add_argument("--decision-weight", type=float, default=1.0,
                    help="loss weight of the first characters of each reply (answer or tool call)")
