@@ -6,9 +6,9 @@
 # [<think>, \n] then the reply: --gen-prompt-split, see train.split_generation_prompt), which is what
 # lets the model answer plain prompts without a tool call when tools are offered and answer from a tool
 # result. Stage 5 (200 steps) does the same on a mix with read_file dialogues boosted (weight 0.4 instead
-# of 0.14; the vocabulary stays the stage-1 corpus's). THREADS (default 2, as the shipped
-# file): two 2-thread runs differ in bits (from ~step 30 of stage 1) and agree in metrics within noise;
-# THREADS=1 is bitwise reproducible run to run but takes ~57 min. Timings in recipes/demo_model/README.md.
+# of 0.14; the vocabulary stays the stage-1 corpus's). THREADS (default 2, as the shipped file): two
+# 2-thread runs differ in bits (from ~step 30 of stage 1) and agree in metrics within noise; THREADS=1 is
+# bitwise reproducible run to run but takes ~55 min (3.1 s a step). Timings: recipes/demo_model/README.md.
 set -euo pipefail
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-recipes/demo_model/build}

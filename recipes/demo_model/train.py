@@ -1,7 +1,8 @@
 """Train the demo model on CPU: corpus -> BPE -> joint next-token + MTP training -> checkpoint (issue 6).
 
 Fixed seeds, a fixed step count (never a time budget), the batch order drawn from a seeded generator:
-bitwise reproducible with one thread; with two, runs drift apart in the last bits (metrics within noise). Progress goes to the log (stderr), one line per few steps.
+bitwise reproducible with one thread; with two, runs drift apart in the last bits (metrics within
+noise). Progress goes to the log (stderr), one line per few steps.
 """
 
 from __future__ import annotations
