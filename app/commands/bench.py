@@ -173,6 +173,10 @@ def _table(doc: dict) -> None:
     Console(width=200).print(t)
     print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; matrices: {describe_weights(doc['weights'])}; "
           f"steps: {doc['steps']['path']} ({doc['steps']['why']})")
+    bw = doc["bandwidth"]
+    print(f"read bandwidth after the runs: {bw['step_sized_gbs']:.1f} GB/s over {bw['step_sized_mib']} MiB "
+          f"(one decode step reads {bw['decode_step_bytes'] / 2**20:.1f} MiB of weights), "
+          f"{bw['memory_gbs']:.1f} GB/s over {bw['memory_mib']} MiB")
     if doc["steps"].get("eager_calls"):
         st = doc["steps"]
         print(f"note: {st['eager_calls']} of {st['eager_calls'] + st['compiled_calls']} timed model calls ran eager "

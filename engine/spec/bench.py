@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.bench.speed import weight_inventory
+from engine.bench.speed import bytes_per_decode_step, measure_read_bandwidth, weight_inventory
 from engine.spec.decode import SpecDecoder, SpecOptions
 from engine.spec.events import SpecStats
 from engine.spec.policy import AutoPolicy
@@ -160,11 +160,15 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
             "peak_cuda_mib": acc["cuda_peak"] / 2**20 if cuda else None,
             "runs": len(acc["tps"]),
         })
+    peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # before the buffers below
     return {
         "configs": rows,
         "prompts": len(prompts), "repeats": repeats, "max_tokens": max_tokens,
         "wrong_drafts": wrong_drafts, "hidden": hidden, "clock": clock,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_mib,
+        # the machine's state, read right after the timed runs: on the same code and file the ratios move with
+        # it (a machine whose weight reads slow down favours rounds, which read the weights once for k+1 rows)
+        "bandwidth": read_bandwidth(model),
         "threads": torch.get_num_threads(), "device": str(model.device), "dtype": str(model.dtype).split(".")[-1],
         "weights": weight_inventory(model),     # matrices per form: {"packed Q8_0": n, "dense float32": m}
         "steps": {**dict(zip(("path", "why"), model.steps_status, strict=True)),
@@ -174,6 +178,19 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
                       "eager_calls": steps.n_eager_calls - counts0[1]} if counts0 is not None else {})},
         "auto_policy": "one per configuration, kept from run to run (as a server slot keeps it)",
     }
+
+
+def read_bandwidth(model) -> dict:
+    """GB/s (median of 9) of `torch.sum` over a buffer of one decode step's weight bytes (where a small
+    model's weights stay: the caches) and over 256 MiB (memory), with the current torch threads."""
+    step = bytes_per_decode_step(model)
+    step_mib = max(1, -(-step // (1 << 20)))
+    scale = 16 if model.device.type == "cuda" else 1     # measure_read_bandwidth's buffer on a GPU
+
+    def gbs(mib: int) -> float:
+        return round(statistics.median(measure_read_bandwidth(mib, device=model.device)), 2)
+    return {"decode_step_bytes": step, "step_sized_mib": step_mib * scale, "step_sized_gbs": gbs(step_mib),
+            "memory_mib": 256 * scale, "memory_gbs": gbs(256)}
 
 
 def _ms(s: float | None) -> float | None:

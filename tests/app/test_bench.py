@@ -32,6 +32,9 @@ def test_bench_json_reports_every_configuration(tmp_path, mtpchat):  # noqa: F81
     assert set(on2["verify_ms"]) >= {"3"} and on2["draft_step_ms"] > 0
     assert doc["prompts"] == 2 and doc["clock"] == "cpu" and doc["peak_rss_mib"] > 0
     assert set(doc["weights"]) == {"dense float32"} and doc["weights"]["dense float32"] > 10  # F32: none packed
+    bw = doc["bandwidth"]    # the machine's state beside the ratios
+    assert bw["memory_mib"] == 256 and bw["memory_gbs"] > 0 and bw["step_sized_gbs"] > 0
+    assert bw["step_sized_mib"] * 2**20 >= bw["decode_step_bytes"] > (bw["step_sized_mib"] - 1) * 2**20  # CPU
 
 
 def test_bench_wrong_drafts_are_never_accepted(tmp_path, mtpchat):  # noqa: F811
