@@ -129,7 +129,9 @@ def test_sums_match_an_independent_recording(model_rel):
     assert set(res.entries) == _expected_names(model_rel, mtp=True) == set(rec.sum2)
     for name, e in res.entries.items():
         np.testing.assert_array_equal(e.counts, rec.counts[name], err_msg=name)
-        np.testing.assert_allclose(e.in_sum2, rec.sum2[name], rtol=2e-6, atol=1e-9, err_msg=name)
+        # float32 sums of squares accumulated in another order (batched experts against per-token rows):
+        # one CPU gave a relative difference of 2.8e-6 on one MoE element of 1024
+        np.testing.assert_allclose(e.in_sum2, rec.sum2[name], rtol=1e-5, atol=1e-9, err_msg=name)
 
     # perplexity = exp(mean NLL) of the independent computation, and the transformers figures per chunk
     np.testing.assert_allclose(res.meter.chunk_nll, nll, rtol=1e-6)
