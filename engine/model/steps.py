@@ -17,6 +17,7 @@ same math.
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import itertools
 import logging
@@ -37,6 +38,26 @@ log = logging.getLogger(__name__)
 _RECOMPILE_LIMIT = 64      # per code object (one per kind of call; shape specialisations recompile)
 _SCRATCH_START = 23        # scratch cache length before a warm-up call (not 0/1, not a model dimension)
 _ids = itertools.count()
+# whether this thread (context) has the dynamo settings below: torch keeps `torch._dynamo.config`
+# assignments in context variables, so a value set in the thread that loaded the model does not reach
+# the compile worker or an app's decode thread (each thread starts with the defaults)
+_SETTINGS_SET: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpchat_dynamo_settings", default=False)
+
+
+def _dynamo_settings() -> None:
+    """Apply the steps' dynamo settings in the calling thread, once (before it traces or calls a step).
+
+    - the model's float attributes (norm eps, rope theta) are constants: traced as such, not as graph
+      inputs converted to float64 tensors on every call (15 per decode step of the demo model; with the
+      setting made only where the model was loaded, the background worker traced them as inputs)
+    - a higher recompile limit per code object (one per kind of call; shape specialisations recompile)"""
+    if _SETTINGS_SET.get():
+        return
+    cfg = torch._dynamo.config
+    if getattr(cfg, "recompile_limit", _RECOMPILE_LIMIT) < _RECOMPILE_LIMIT:
+        cfg.recompile_limit = _RECOMPILE_LIMIT
+    cfg.specialize_float = True
+    _SETTINGS_SET.set(True)
 
 
 def _cxx() -> str | None:
@@ -161,12 +182,7 @@ class CompiledSteps:
     kind of call is not compiled (yet): the caller then runs the eager method."""
 
     def __init__(self, model, why: str, *, background: bool = True):
-        cfg = torch._dynamo.config
-        if getattr(cfg, "recompile_limit", _RECOMPILE_LIMIT) < _RECOMPILE_LIMIT:
-            cfg.recompile_limit = _RECOMPILE_LIMIT
-        # the model's float attributes (norm eps, rope theta) are constants: traced as such, not as graph
-        # inputs converted to tensors on every call (15 per decode step of the demo model, ~45 us)
-        cfg.specialize_float = True
+        _dynamo_settings()
         fused.load_realize()
         _weights_static(model)
         self.model, self.why, self.background = model, why, background
@@ -282,6 +298,7 @@ class CompiledSteps:
             self.n_eager_calls += 1
             return None                      # the worker is compiling: this step runs eager
         try:
+            _dynamo_settings()       # a first call in this thread may trace (foreground) or retrace
             set_row_products(fixed_rows and self._cpu)
             out = fn(self.model, *args)
             self._ready.add(key)
@@ -331,6 +348,7 @@ class CompiledSteps:
         self._jobs.put(None)
 
     def _work(self) -> None:
+        _dynamo_settings()
         while True:
             job = self._jobs.get()
             if job is None:

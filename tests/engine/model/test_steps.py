@@ -134,7 +134,7 @@ def test_compiled_round_leaves_the_cache_past_step_one_alone():
 
 
 @needs_cxx
-def test_background_mode_runs_eager_until_compiled():
+def test_background_mode_runs_eager_until_compiled(monkeypatch):
     path, ref_path = MODELS["dense"]
     prompts = _prompts(get_ref(ref_path))[:1]
     eager = load_model(fixture_path(path))
@@ -146,7 +146,15 @@ def test_background_mode_runs_eager_until_compiled():
     assert fast._steps.drain(timeout=600)
     assert fast._steps.kinds_ready > 0
     before, eager_before = fast._steps.n_compiled_calls, fast._steps.n_eager_calls
+    # the graphs the worker traced take no float inputs: dynamo would convert each (norm eps, rope
+    # theta) to a tensor on every call. torch keeps its dynamo settings per thread, and the worker
+    # once traced without the steps' settings (15 conversions per demo-model decode step)
+    tensorified = []
+    as_tensor = torch._as_tensor_fullprec
+    monkeypatch.setattr(torch, "_as_tensor_fullprec", lambda x: tensorified.append(x) or as_tensor(x))
     second = _gen(fast, prompts, "on", 2)
+    monkeypatch.undo()
+    assert tensorified == []
     assert first == want and second == want
     assert fast._steps.n_compiled_calls > before
     assert fast._steps.n_eager_calls == eager_before   # every kind of the second run was ready
