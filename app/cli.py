@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.resources import use_compile_cache
+
+    use_compile_cache()      # compiled steps survive a reboot (inductor's default is the temp folder)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # commands default to compiled steps in the background (`--steps auto`); tests run the eager path unless a
 # test asks for compiled steps itself (tests/engine/model/test_steps.py), so the suite does not compile
 os.environ.setdefault("MTPCHAT_STEPS", "eager")
+# the tests that compile keep inductor's own default cache folder (the temp directory), not the user cache
+# folder that `mtpchat` commands use (engine.resources.use_compile_cache)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{_user()}"))
 
 REPO = Path(__file__).resolve().parent.parent
 
