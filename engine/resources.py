@@ -34,6 +34,7 @@ def compile_cache_dir() -> Path:
 def use_compile_cache() -> str:
     """Point inductor's cache at `compile_cache_dir()` unless $TORCHINDUCTOR_CACHE_DIR says otherwise;
     returns the folder in use. Inductor's default is a folder in the temp directory, which many systems
-    empty at boot or after days: compiling a model's kinds of steps again takes from ~1.5 minutes (the demo
-    model, AMD EPYC) to ~30 (the same on a 2-vCPU Xeon), eager decoding meanwhile (docs/benchmarks.md)."""
+    empty at boot or after days: compiling a model's kinds of steps again takes minutes (the demo model's 5
+    kinds for `--mtp on --draft 3`: ~1.5 on an AMD EPYC; every kind of a demo bench: ~30 on a 2-vCPU
+    Xeon), decoding eagerly meanwhile (README, docs/benchmarks.md)."""
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
