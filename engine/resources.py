@@ -33,8 +33,17 @@ def compile_cache_dir() -> Path:
 
 def use_compile_cache() -> str:
     """Point inductor's cache at `compile_cache_dir()` unless $TORCHINDUCTOR_CACHE_DIR says otherwise;
-    returns the folder in use. Inductor's default is a folder in the temp directory, which many systems
-    empty at boot or after days: compiling a model's kinds of steps again takes minutes (the demo model's 5
-    kinds for `--mtp on --draft 3`: ~1.5 on an AMD EPYC; every kind of a demo bench: ~30 on a 2-vCPU
-    Xeon), decoding eagerly meanwhile (README, docs/benchmarks.md)."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(compile_cache_dir()))
+    returns the folder set ("" for inductor's default). Inductor's default is a folder in the temp
+    directory, which many systems empty at boot or after days: compiling a model's kinds of steps again
+    takes minutes (the demo model's 5 kinds for `--mtp on --draft 3`: ~1.5 on an AMD EPYC; every kind of a
+    demo bench: ~30 on a 2-vCPU Xeon), decoding eagerly meanwhile (README, docs/benchmarks.md). Without a
+    writable folder on the way (a read-only home) inductor's default stays; nothing is created here
+    (inductor makes the folder when it compiles)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        folder = compile_cache_dir()
+        probe = folder
+        while not probe.exists() and probe.parent != probe:
+            probe = probe.parent
+        if probe.is_dir() and os.access(probe, os.W_OK | os.X_OK):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")

@@ -44,3 +44,9 @@ def test_commands_keep_compiled_steps_in_the_user_cache_folder(monkeypatch, tmp_
     with pytest.raises(SystemExit):
         main(["--help"])
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    # no writable folder on the way (a read-only home): inductor's default stays
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
