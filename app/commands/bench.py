@@ -177,6 +177,9 @@ def _table(doc: dict) -> None:
     print(f"read bandwidth after the runs: {bw['step_sized_gbs']:.1f} GB/s over {bw['step_sized_mib']} MiB "
           f"(one decode step reads {bw['decode_step_bytes'] / 2**20:.1f} MiB of weights), "
           f"{bw['memory_gbs']:.1f} GB/s over {bw['memory_mib']} MiB")
+    if doc["steps"].get("kinds_compiled_in_timed_runs"):
+        print(f"note: {doc['steps']['kinds_compiled_in_timed_runs']} kinds of step were first met in the timed "
+              "runs and compiled there: the rounds that compiled them include the compile time")
     if doc["steps"].get("eager_calls"):
         st = doc["steps"]
         print(f"note: {st['eager_calls']} of {st['eager_calls'] + st['compiled_calls']} timed model calls ran eager "

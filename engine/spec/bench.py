@@ -79,9 +79,10 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
                            draft_hook=wrong if wrong_drafts and cfg.mode != "off" else None, **extra)
 
     steps = getattr(model, "_steps", None)
-    if steps is not None and steps.background:
-        # compiled steps: run every configuration until no kind of step is left to compile, so the
-        # timed runs measure the compiled path only
+    if steps is not None:
+        # compiled steps (in the background, or on first use with `--steps compiled`): run every
+        # configuration until no kind of step is left to compile, so the timed runs measure compiled
+        # calls only, never a compile (a foreground compile inside a timed round is seconds to minutes)
         # (every prompt: where a reply stops decides which verification and chain lengths occur)
         k_top = max([c.k for c in configs] + [1])
         warm = [BenchConfig("on", k) for k in range(1, k_top + 1)] + list(configs)   # every verify length
@@ -93,7 +94,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
             steps.drain()
             if steps.kinds_ready == before:
                 break
-    counts0 = (steps.n_compiled_calls, steps.n_eager_calls) if steps is not None else None
+    counts0 = (steps.n_compiled_calls, steps.n_eager_calls, steps.kinds_ready) if steps is not None else None
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
             shift = (rep * len(prompts) + i) % len(configs)
@@ -174,8 +175,11 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
         "steps": {**dict(zip(("path", "why"), model.steps_status, strict=True)),
                   # timed calls that ran compiled / eager (a kind first met in the timed runs runs eager
                   # while it compiles, and so does every step while the worker holds the tracer)
+                  # kinds of step that became ready during the timed runs (compiled there): 0 after the warm-up
                   **({"compiled_calls": steps.n_compiled_calls - counts0[0],
-                      "eager_calls": steps.n_eager_calls - counts0[1]} if counts0 is not None else {})},
+                      "eager_calls": steps.n_eager_calls - counts0[1],
+                      "kinds_compiled_in_timed_runs": steps.kinds_ready - counts0[2]}
+                     if counts0 is not None else {})},
         "auto_policy": "one per configuration, kept from run to run (as a server slot keeps it)",
     }
 

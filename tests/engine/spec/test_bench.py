@@ -1,0 +1,67 @@
+"""`run_bench` (engine/spec/bench.py): with compiled steps, no kind of step compiles inside a timed run."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.spec.bench import configurations, run_bench
+from tests.engine.model.conftest import get_model, get_ref
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class FirstUseSteps:
+    """Stands in for `--steps compiled` (engine.model.steps.CompiledSteps with background=False), which
+    compiles each kind of call the first time it meets it, blocking: every call here runs eager (the
+    stand-in returns None) and records its kind, so a test sees where each kind was first met."""
+
+    background = False
+
+    def __init__(self):
+        self.kinds: set[tuple] = set()
+        self.n_compiled_calls = self.n_eager_calls = 0
+
+    def status(self) -> tuple[str, str]:
+        return "eager", "test stand-in for steps compiled on first use"
+
+    @property
+    def kinds_ready(self) -> int:
+        return len(self.kinds)
+
+    def drain(self, timeout=None) -> bool:
+        return True
+
+    def _met(self, *key) -> None:
+        self.kinds.add(key)
+        self.n_compiled_calls += 1
+
+    def main(self, tokens, cache, slot_idx, positions, n_keys, single, logits, chunk, gdn_steps):
+        return self._met("main", tuple(tokens.shape), logits, gdn_steps)
+
+    def mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n):
+        return self._met("mtp", tuple(tokens.shape), logits)
+
+    def chain(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n):
+        return self._met("chain", tuple(tokens.shape), k)
+
+    def round(self, *args):
+        raise AssertionError("a round in one call runs with compiled steps only")
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_steps_compiled_on_first_use_are_met_before_the_timed_runs(wrong):
+    model = get_model("models/tiny-qwen35-f32.gguf")
+    ref = get_ref("ref/tiny-qwen35.npz")
+    prompts = [ref[f"prompt_{n}"].tolist() for n in (7, 33)]
+    steps = FirstUseSteps()
+    model._steps = steps
+    try:
+        doc = run_bench(model, prompts, configurations(["off", "on", "adaptive", "auto"], [3]),
+                        max_tokens=16, wrong_drafts=wrong, clock="cpu")
+    finally:
+        model._steps = None
+    assert steps.kinds_ready >= 6          # plain steps, verifications of 3 and 4 rows, MTP passes, chains
+    assert doc["steps"]["kinds_compiled_in_timed_runs"] == 0, doc["steps"]
+    assert doc["steps"]["compiled_calls"] > 0
+    by = {c["config"]: c for c in doc["configs"]}
+    assert by["on/k=3"]["rounds"] > 0 and by["off"]["plain_steps"] > 0
