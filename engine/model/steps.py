@@ -176,6 +176,23 @@ def _mark_batch(key: tuple, args: tuple) -> None:
                 torch._dynamo.mark_static(a, 0)
 
 
+def _fx_trace_once() -> None:
+    """Run inductor's one plain `torch.fx.symbolic_trace` of the process now, in this thread.
+
+    While `torch.fx.Tracer.trace` runs it replaces `torch.nn.Module.__call__` for the whole process, and
+    a module called from another thread then goes through the tracer, which rejects modules outside the
+    traced root (NameError "module is not installed as a submodule"). Inductor traces this way once per
+    process (`loop_body.InterpreterShim._dummy_gm`, cached) during its first lowering: in the background
+    worker that caught the decode thread's eager step running at the same moment (`mtpchat bench
+    --wrong-drafts` failed so, twice). Done here, before any worker starts, it never happens there; the
+    worker's other traces (make_fx's tracer) let other threads' module calls through unchanged."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+        InterpreterShim._dummy_gm()
+    except (ImportError, AttributeError) as exc:   # another torch: nothing of the kind to run first
+        log.info("inductor's first fx trace not found (%s): background compiles may race eager steps", exc)
+
+
 class CompiledSteps:
     """The compiled `_main` / `_mtp` / `_chain` of one model. `main(*args)` / `mtp(*args)` / `chain(*args)`
     take the arguments of `Qwen35Model._main` / `_mtp` / `_chain` and return the result, or None when this
@@ -184,6 +201,7 @@ class CompiledSteps:
     def __init__(self, model, why: str, *, background: bool = True):
         _dynamo_settings()
         fused.load_realize()
+        _fx_trace_once()
         _weights_static(model)
         self.model, self.why, self.background = model, why, background
         self._cpu = model.device.type == "cpu"

@@ -208,6 +208,51 @@ def _main_args(model, cache, tok, slot):
     return tok, cache, slot_idx, positions, n_keys, single, "last", 64, False
 
 
+def test_inductors_plain_fx_trace_runs_when_the_steps_are_made(monkeypatch):
+    """A plain `torch.fx` trace swaps `nn.Module.__call__` for the whole process while it runs, so an eager
+    step in another thread fails (NameError) if it runs meanwhile; inductor does one such trace per
+    process in its first lowering. CompiledSteps runs it in the thread that makes them, before any
+    background compile, so the worker never does."""
+    import threading
+
+    import torch.fx._symbolic_trace as fx_trace
+    from torch._inductor.loop_body import InterpreterShim
+
+    plain = []
+    trace = fx_trace.Tracer.trace
+
+    def recording(self, root, concrete_args=None):
+        if type(self) is fx_trace.Tracer:
+            plain.append(threading.current_thread())
+        return trace(self, root, concrete_args)
+
+    # the hazard itself, in this torch: a module called while a plain trace is in progress
+    def traced(x):
+        plain_call.append(_try(torch.nn.Identity(), x))
+        return x
+
+    plain_call: list = []
+    torch.fx.symbolic_trace(traced)
+    assert isinstance(plain_call[0], NameError) and "not installed as a submodule" in str(plain_call[0])
+
+    monkeypatch.setattr(fx_trace.Tracer, "trace", recording)
+    InterpreterShim._dummy_gm.cache_clear()
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    steps = steps_mod.CompiledSteps(model, "test", background=True)
+    try:
+        assert plain == [threading.current_thread()]
+        assert InterpreterShim._dummy_gm.cache_info().currsize == 1
+    finally:
+        steps.close()
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:
+        return exc
+
+
 def test_compile_failure_falls_back_to_eager(monkeypatch):
     path, ref_path = MODELS["dense"]
     prompts = _prompts(get_ref(ref_path))[:1]
