@@ -201,7 +201,7 @@ def matmul(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return _many_rows_outside_graph(t, p, x)
     if m <= SMALL_M:
         mode, _ = status()
-        if mode == "compiled":
+        if mode == "compiled" and not _other_thread_traces():
             bucket = next(b for b in _M_BUCKETS if b >= m)
             xb = x if bucket == m else torch.cat([x, x.new_zeros(bucket - m, x.shape[1])])
             try:
@@ -212,8 +212,17 @@ def matmul(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return _many_rows(t, p, x)
 
 
+def _other_thread_traces() -> bool:
+    """True while a `torch.fx` trace runs anywhere in the process (its flag is process-wide): a compiled
+    function called meanwhile raises "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function". The background compile of engine/model/steps.py traces so (make_fx) while
+    the decode thread runs eager steps, whose products then take the eager math for that call instead of
+    turning compiled kernels off for the rest of the process."""
+    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+
+
 def _many_rows(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    if status()[0] == "compiled":
+    if status()[0] == "compiled" and not _other_thread_traces():
         try:
             return sliced_product(t, p, x, _compiled_dequant(t))
         except Exception as exc:  # no working toolchain at run time: same math, eagerly

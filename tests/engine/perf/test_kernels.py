@@ -59,6 +59,25 @@ def test_packed_product_matches_dense_reference(kernels, t):
     assert ((t, "dequant") in fused._state["compiled"]) == (kernels == "compiled")
 
 
+@pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
+def test_a_trace_in_another_thread_does_not_turn_compiled_kernels_off(kernels, monkeypatch):
+    """torch.fx's tracing flag is process-wide, and a compiled function called while it is set raises
+    (the background step compiler traces so while the decode thread runs eager steps): such a call takes
+    the eager math once, and the kernels stay compiled."""
+    import torch.fx._symbolic_trace as fx_trace
+
+    pw, ref = _weight(T.Q8_0, 320, 512)
+    x1, x20 = (torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) for m in (1, 20))
+    want1, want20 = pw.matmul(x1), pw.matmul(x20)          # compiled, before any trace
+    monkeypatch.setattr(fx_trace, "_is_fx_tracing_flag", True)
+    y1, y20 = pw.matmul(x1), pw.matmul(x20)                # during another thread's trace
+    monkeypatch.setattr(fx_trace, "_is_fx_tracing_flag", False)
+    assert fused.status()[0] == "compiled", fused.status()
+    for y, want, x in ((y1, want1, x1), (y20, want20, x20)):
+        r = x @ ref.T
+        assert ((y - r).abs().max() / r.abs().max()) < 1e-5 and ((want - r).abs().max() / r.abs().max()) < 1e-5
+
+
 def test_small_matrices_stay_dense_by_default():
     from engine.kernels import worth_packing
     assert not worth_packing(T.Q8_0, (512, 256)) and worth_packing(T.Q8_0, (3584, 1024))
