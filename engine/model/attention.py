@@ -59,8 +59,7 @@ class GatedAttention(nn.Module):
         qg = self.attn_q(a).reshape(B, T, H, 2 * D)     # per head: D query dims, then D gate dims
         q, gate = qg[..., :D], qg[..., D:].reshape(B, T, H * D)
         q = apply_rope(self.attn_q_norm(q), cos, sin)
-        k = apply_rope(self.attn_k_norm(self.attn_k(a).reshape(B, T, Hkv, D)), cos, sin)
-        v = self.attn_v(a).reshape(B, T, Hkv, D)
+        k, v = self._key_value(a, cos, sin)
         cdt = self.attn_q.weight.dtype
         if kv is None:
             o = F.scaled_dot_product_attention(
@@ -69,15 +68,11 @@ class GatedAttention(nn.Module):
         elif kv.local is not None:
             o = self._attend_local(q.to(cdt), k, v, kv)
         else:
+            self._store(k, v, kv)
             if kv.single is not None:                          # one row: views, no gather
-                s, p0 = kv.single
-                kv.k[s, p0:p0 + T] = k[0]                      # cache stores k after norm + RoPE
-                kv.v[s, p0:p0 + T] = v[0]
+                s = kv.single[0]
                 keys, vals = kv.k[s:s + 1, :kv.n_keys], kv.v[s:s + 1, :kv.n_keys]
             else:
-                rows = kv.slot_idx[:, None]
-                kv.k[rows, kv.positions] = k.to(kv.k.dtype)
-                kv.v[rows, kv.positions] = v.to(kv.v.dtype)
                 keys = kv.k[kv.slot_idx, :kv.n_keys]           # [B, L, Hkv, D]
                 vals = kv.v[kv.slot_idx, :kv.n_keys]
             if kv.single is not None and T == 1:
@@ -90,6 +85,31 @@ class GatedAttention(nn.Module):
                 attn_mask=mask, scale=self.scale, enable_gqa=Hkv != H)
         o = o.transpose(1, 2).reshape(B, T, H * D).float()
         return self.attn_output(o * torch.sigmoid(gate))
+
+    def write_kv(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: KVView) -> None:
+        """Only the cache rows of a [B, T, E]: the keys and values `forward` would write at kv.positions,
+        the same operations on the same inputs, without the queries, the attention or the output
+        projection (an MTP cache commit needs nothing else: spec §5.3, the seed's no-logits update)."""
+        self._store(*self._key_value(a, cos, sin), kv)
+
+    def _key_value(self, a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = a.shape
+        Hkv, D = self.n_head_kv, self.head_dim
+        k = apply_rope(self.attn_k_norm(self.attn_k(a).reshape(B, T, Hkv, D)), cos, sin)
+        return k, self.attn_v(a).reshape(B, T, Hkv, D)
+
+    @staticmethod
+    def _store(k: torch.Tensor, v: torch.Tensor, kv: KVView) -> None:
+        """Write k, v [B, T, Hkv, D] (k after norm + RoPE, as the cache stores it) at kv.positions."""
+        if kv.single is not None:                              # one row: views, no gather
+            s, p0 = kv.single
+            T = k.shape[1]
+            kv.k[s, p0:p0 + T] = k[0]
+            kv.v[s, p0:p0 + T] = v[0]
+        else:
+            rows = kv.slot_idx[:, None]
+            kv.k[rows, kv.positions] = k.to(kv.k.dtype)
+            kv.v[rows, kv.positions] = v.to(kv.v.dtype)
 
     def _attend_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVView) -> torch.Tensor:
         """One query row per sequence (q [B, 1, H, D]) over the cache's first n_keys rows and the chain's

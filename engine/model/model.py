@@ -65,9 +65,10 @@ class ForwardOutput:
 @dataclass
 class MTPOutput:
     """hidden [B, T, E]: the MTP block's output after shared_head_norm (the input of the next draft
-    step); logits [B, T, V] / [B, 1, V] / None."""
+    step), None for a cache commit (`mtp_forward(..., cache, logits='none')`); logits [B, T, V] /
+    [B, 1, V] / None."""
 
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     logits: torch.Tensor | None
 
 
@@ -266,7 +267,9 @@ class Qwen35Model(nn.Module):
         token i (use `shift_hidden(out.hidden, prev)` for a prompt; for a draft chain pass the
         previous step's `MTPOutput.hidden`). Row i runs at position cache.mtp_lengths[slot] + i
         (0 + i without a cache) and writes the MTP KV row there; `cache.mtp_lengths` advances by T.
-        logits='none' only updates the MTP cache (prompt warm-up)."""
+        logits='none' with a cache only updates the MTP cache (prompt warm-up, commits): only the rows'
+        keys and values are computed (no attention, FFN or head) and `MTPOutput.hidden` is None.
+        Without a cache (imatrix, training) the whole block runs."""
         if not self.cfg.has_mtp:
             raise InputError("mtp: this model file has no nextn (MTP) block")
         n = self.cfg.nextn_blocks[0] if block is None else block
@@ -290,8 +293,9 @@ class Qwen35Model(nn.Module):
         return MTPOutput(*res)
 
     def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None):
-        """The tensor work of `mtp_forward` -> (post-norm hidden, logits or None). local: a draft
-        chain's scratch rows (see `KVView`): this step's KV row joins them instead of the cache."""
+        """The tensor work of `mtp_forward` -> (post-norm hidden, logits or None); (None, None) for a
+        cache commit (a cache, logits 'none'), which computes only the rows' keys and values. local: a
+        draft chain's scratch rows (see `KVView`): this step's KV row joins them instead of the cache."""
         blk = self.blk[n]
         nx = blk.nextn
         emb = self.embed(tokens) if nx.embed_tokens is None else nx.embed_tokens.weight[tokens].float()
@@ -300,6 +304,11 @@ class Qwen35Model(nn.Module):
         if cache is not None:
             kv = KVView(cache.mtp_k[n], cache.mtp_v[n], slot_idx, positions, n_keys, single, local)
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
+        if kv is not None and local is None and logits == "none":
+            # a cache commit (prompt warm-up, plain-step sync, accepted drafts): the rows' keys and
+            # values are all it keeps, and they depend on the block's input only
+            blk.mixer.write_kv(blk.attn_norm(u), cos, sin, kv)
+            return None, None
         u = u + blk.mixer(blk.attn_norm(u), cos, sin, kv)
         u = blk.feed_forward(u)
         norm = nx.shared_head_norm if nx.shared_head_norm is not None else self.output_norm
@@ -345,7 +354,16 @@ class Qwen35Model(nn.Module):
         """The tensor work of `draft_chain`; positions [B, T + k - 1] cover every step's rows."""
         T = tokens.shape[1]
         n_cached = n_keys - k + 1                  # cache rows once step 1 has written its T rows
-        hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n)
+        if cache is not None and T > 1:
+            # step 1's rows before the last (queued entries) only enter the cache: their keys and values,
+            # then the whole block for the last row, which attends to them
+            self._mtp(tokens[:, :-1], hidden[:, :-1], cache, slot_idx, positions[:, :T - 1], n_cached, single,
+                      "none", n)
+            last = None if single is None else (single[0], single[1] + T - 1)
+            hm, lg = self._mtp(tokens[:, -1:], hidden[:, -1:], cache, slot_idx, positions[:, T - 1:T], n_cached,
+                               last, "last", n)
+        else:
+            hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n)
         tok = lg[:, -1:].argmax(dim=-1)
         hid = hm[:, -1:]
         drafts = [tok]

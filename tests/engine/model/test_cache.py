@@ -140,6 +140,34 @@ def test_mtp_cache_truncate_and_draft_chain(model):
     assert torch.equal(d1.logits, e1.logits) and torch.equal(d2.logits, e2.logits)
 
 
+def test_mtp_cache_commit_computes_only_keys_and_values(model):
+    """A cache commit (`mtp_forward(..., cache, logits='none')`: prompt warm-up, plain-step sync, accepted
+    drafts) writes the rows the whole block writes, for one slot and for two, without running the block's
+    attention output, FFN or head (the seed's no-logits update, taken to what the cache keeps)."""
+    n_mtp = model.cfg.nextn_blocks[0]
+    blk = model.blk[n_mtp]
+    calls = []
+    hooks = [mod.register_forward_hook(lambda *a, name=name: calls.append(name))
+             for name, mod in (("ffn", blk.ffn), ("attn_q", blk.mixer.attn_q), ("attn_output", blk.mixer.attn_output))]
+    try:
+        for slots in ([1], [0, 1]):
+            tokens = torch.cat([_text(11, 5000 + 30 * s) for s in slots])
+            hidden = shift_hidden(model(tokens, ModelCache(model.cfg, 2, 32), slots, logits="none").hidden)
+            commit, whole = ModelCache(model.cfg, 2, 32), ModelCache(model.cfg, 2, 32)
+            calls.clear()
+            out = model.mtp_forward(tokens, hidden, commit, slots, logits="none")
+            assert out.hidden is None and out.logits is None and calls == []
+            model.mtp_forward(tokens, hidden, whole, slots, logits="all")
+            assert calls                                   # the whole block ran here
+            assert commit.mtp_lengths == whole.mtp_lengths
+            for s in slots:
+                assert torch.equal(commit.mtp_k[n_mtp][s, :11], whole.mtp_k[n_mtp][s, :11])
+                assert torch.equal(commit.mtp_v[n_mtp][s, :11], whole.mtp_v[n_mtp][s, :11])
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @pytest.mark.parametrize("queued", [0, 3])
 def test_draft_chain_equals_step_by_step_drafting(model, queued):
     """`draft_chain` (one call, one compiled graph when enabled) drafts what k single MTP steps draft,
