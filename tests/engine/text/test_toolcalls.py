@@ -196,9 +196,15 @@ def test_d4_linear_time(big, ratio_max):
     worst_ratio, worst_big = 0.0, 0.0
     for name in _shapes(small):
         for chunk in (None, 16):
-            t_small = min(_time_parse(_shapes(small)[name], chunk, times=10) for _ in range(3))
-            t_big = min(_time_parse(_shapes(big)[name], chunk) for _ in range(5))
-            ratio = t_big / max(t_small, 2e-3)  # CPU timings under 2 ms are coarse: floor the denominator
+            # small and big timed in alternation, so both sizes of a pair meet the same phase of a shared
+            # machine (a run measured 9.9 ms for a small input that takes ~15 ms: ratio 15.3 for a linear
+            # parser); the median pair decides. A superlinear parser fails every pair.
+            pairs = []
+            for _ in range(5):
+                t_small = _time_parse(_shapes(small)[name], chunk, times=10)
+                t_big = _time_parse(_shapes(big)[name], chunk)
+                pairs.append((t_big / max(t_small, 2e-3), t_small, t_big))  # CPU timings under 2 ms are coarse
+            ratio, t_small, t_big = sorted(pairs)[len(pairs) // 2]
             worst_ratio, worst_big = max(worst_ratio, ratio), max(worst_big, t_big)
             assert ratio <= ratio_max, (name, chunk, t_small, t_big)
     assert worst_big < 2.0
