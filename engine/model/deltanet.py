@@ -23,14 +23,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     whose columns j+1 .. j+Kc-1 are the conv state after token j."""
     B, T, C = x.shape
     kc = weight.shape[1]
-    xt = x.float().transpose(1, 2)
     if conv_state is None:
-        conv_state = xt.new_zeros(B, C, kc - 1)
-    xpad = torch.cat([conv_state.float(), xt], dim=2)
-    # y[b, c, t] = sum_j w[c, j] * xpad[b, c, t + j]; an unfolded product is far cheaper than a
+        conv_state = x.new_zeros(B, C, kc - 1, dtype=torch.float32)
+    # time-major [B, Kc-1+T, C]: u comes out [B, T, C] with channels contiguous, as the delta rule
+    # reads q, k and v (a channel-major u made a compiled verification gather them element by element)
+    xpad = torch.cat([conv_state.float().transpose(1, 2), x.float()], dim=1)
+    # y[b, t, c] = sum_j w[c, j] * xpad[b, t + j, c]; an unfolded product is far cheaper than a
     # depthwise conv call at decode sizes
-    y = (xpad.unfold(2, kc, 1) * weight.float()[:, None, :]).sum(-1)    # [B, C, T]
-    return F.silu(y).transpose(1, 2), xpad
+    y = (xpad.unfold(1, kc, 1) * weight.float()).sum(-1)                # [B, T, C]
+    return F.silu(y), xpad.transpose(1, 2)
 
 
 def conv_states_per_step(xpad: torch.Tensor, kc: int) -> torch.Tensor:

@@ -67,6 +67,20 @@ def test_conv_state_per_step():
     assert torch.allclose(u1, u[:, 3:], atol=1e-6)
 
 
+def test_conv_output_is_time_major():
+    """u comes out [B, T, C] with the channels contiguous, so the delta rule's q, k and v are views it
+    reads as vectors. A channel-major u (stride T between channels) made every compiled verification
+    gather v one element at a time in each per-token state update (docs/benchmarks.md, thirteenth
+    session); the conv states it returns keep their [B, C, Kc-1+T] shape."""
+    g = torch.Generator().manual_seed(4)
+    x, w, st = torch.randn(1, 4, 8, generator=g), torch.randn(8, 4, generator=g), torch.randn(1, 8, 3, generator=g)
+    u, xpad = causal_conv1d(x, w, st)
+    assert u.shape == (1, 4, 8) and u.is_contiguous()
+    assert xpad.shape == (1, 8, 7) and torch.equal(xpad[:, :, :3], st) and torch.equal(xpad[:, :, 3:], x.transpose(1, 2))
+    want = torch.stack([(xpad[:, :, t:t + 4] * w).sum(-1) for t in range(4)], dim=1)
+    assert torch.allclose(u, torch.nn.functional.silu(want), atol=1e-6)
+
+
 def test_chunked_form_is_differentiable():
     with torch.inference_mode(False), torch.enable_grad():
         q, k, v, g, b, s0 = _inputs(11, T=40, grad=True)
