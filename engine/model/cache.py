@@ -24,9 +24,10 @@ class GDNSnapshot:
 
 @dataclass
 class GDNSteps:
-    """GDN states after every step of one forward call over B rows of T tokens: block index ->
-    conv [B, T+1, C, Kc-1] and ssm [B, T+1, Hv, Dk, Dv]; index j = the state after j of the T tokens
-    (j = 0 is the state before the call). Returned by `Qwen35Model.forward(..., gdn_steps=True)`."""
+    """GDN states inside one forward call over B rows of T tokens: block index -> conv [B, T-1, C, Kc-1]
+    and ssm [B, T-1, Hv, Dk, Dv]; index j-1 = the state after j of the T tokens, 1 <= j < T. The state
+    after all T tokens is in the cache, the one before the call is not kept (a speculative round always
+    keeps its first row, the pending token). Returned by `Qwen35Model.forward(..., gdn_steps=True)`."""
 
     slots: list[int]
     n_tokens: int
@@ -119,14 +120,22 @@ class ModelCache:
 
     def rollback(self, steps: GDNSteps, n_keep: list[int]) -> None:
         """After a forward with `gdn_steps=True` over T tokens per row, keep only the first
-        `n_keep[i]` (0..T) of row i's tokens: main KV length and GDN state become those after them.
-        Call before any other forward on those slots."""
+        `n_keep[i]` (1..T) of row i's tokens: main KV length and GDN state become those after them
+        (keeping all T leaves the cache as the forward left it). Undoing a call's first token too needs
+        a snapshot taken before it (`snapshot_gdn` / `restore_gdn`). Call before any other forward on
+        those slots."""
         T = steps.n_tokens
-        for i, (slot, keep) in enumerate(zip(steps.slots, n_keep, strict=True)):
-            if not 0 <= keep <= T:
-                raise ValueError(f"rollback: n_keep {keep} not in 0..{T}")
+        if len(n_keep) != len(steps.slots):
+            raise ValueError(f"rollback: {len(n_keep)} counts for {len(steps.slots)} rows")
+        for keep in n_keep:
+            if not 1 <= keep <= T:
+                raise ValueError(f"rollback: n_keep {keep} not in 1..{T} (the state before the call is not "
+                                 "kept; restore a snapshot to undo its first token)")
+        for i, (slot, keep) in enumerate(zip(steps.slots, n_keep)):
+            if keep == T:
+                continue
             self.lengths[slot] -= T - keep
             for b, t in self.conv.items():
-                t[slot].copy_(steps.conv[b][i, keep])
+                t[slot].copy_(steps.conv[b][i, keep - 1])
             for b, t in self.ssm.items():
-                t[slot].copy_(steps.ssm[b][i, keep])
+                t[slot].copy_(steps.ssm[b][i, keep - 1])

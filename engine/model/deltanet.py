@@ -35,7 +35,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 
 
 def conv_states_per_step(xpad: torch.Tensor, kc: int) -> torch.Tensor:
-    """xpad [B, C, Kc-1+T] -> [B, T+1, C, Kc-1]: the conv state after 0, 1, ..., T tokens."""
+    """xpad [B, C, Kc-1+T] -> [B, T+1, C, Kc-1]: the conv state after 0, 1, ..., T tokens (views)."""
     return xpad.unfold(2, kc - 1, 1).transpose(1, 2)
 
 
@@ -48,20 +48,32 @@ def delta_rule_recurrent(q, k, v, g, beta, state, all_states: bool = False):
     """Token-by-token gated delta rule (spec §4.4.5); the reference form and the T = 1 decode path.
 
     q, k [B, T, H, Dk] (unit k, scaled q, already broadcast to the value heads); v [B, T, H, Dv];
-    g, beta [B, T, H]; state [B, H, Dk, Dv] float32. Returns o [B, T, H, Dv] and the final state,
-    or, with all_states, the states after 0..T tokens [B, T+1, H, Dk, Dv] instead of the final one."""
-    outs, states = [], [state]
+    g, beta [B, T, H]; state [B, H, Dk, Dv] float32. Returns o [B, T, H, Dv] and the final state;
+    with all_states also the states after 1..T-1 tokens [B, T-1, H, Dk, Dv] (`intermediate_states`)."""
+    T = q.shape[1]
+    outs, states = [], []
     s = state
-    for t in range(q.shape[1]):
+    for t in range(T):
         s = s * g[:, t].exp()[..., None, None]
         m = torch.einsum("bhk,bhkv->bhv", k[:, t], s)
         delta = beta[:, t, :, None] * (v[:, t] - m)
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
-        if all_states:
+        if all_states and t < T - 1:
             states.append(s)
     o = torch.stack(outs, dim=1)
-    return (o, torch.stack(states, dim=1)) if all_states else (o, s)
+    if not all_states:
+        return o, s
+    return o, s, intermediate_states(states, state)
+
+
+def intermediate_states(states: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """[B, ...] states after tokens 1..T-1 -> [B, T-1, ...]. A verification keeps only these: the state
+    before the call is the pending token's, which a round always keeps, and the state after all T
+    tokens goes to the cache (so a round neither copies the first nor writes the last twice)."""
+    if not states:
+        return like.new_empty(like.shape[0], 0, *like.shape[1:])
+    return torch.stack(states, dim=1)
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64, all_states: bool = False):
@@ -71,7 +83,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64, all_states: boo
     B, T, H, dk = k.shape
     qh, kh, vh = (x.transpose(1, 2) for x in (q, k, v))   # [B, H, T, d]
     gh, bh = g.transpose(1, 2), beta.transpose(1, 2)      # [B, H, T]
-    outs, states = [], [state[:, :, None]]
+    outs, states = [], []
     s = state
     for c0 in range(0, T, chunk):
         Q, K, V = qh[:, :, c0:c0 + chunk], kh[:, :, c0:c0 + chunk], vh[:, :, c0:c0 + chunk]
@@ -94,7 +106,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64, all_states: boo
             s = last.exp()[..., None] * s + K.transpose(-1, -2) @ ((last - gam).exp()[..., None] * delta)
     o = torch.cat(outs, dim=2).transpose(1, 2)
     if all_states:
-        return o, torch.cat(states, dim=2).transpose(1, 2)
+        return o, s, torch.cat(states, dim=2)[:, :, :-1].transpose(1, 2)
     return o, s
 
 
@@ -138,9 +150,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, a: torch.Tensor, conv_state: torch.Tensor | None, ssm_state: torch.Tensor | None,
                 *, chunk: int = 64, all_states: bool = False):
         """a [B, T, E] (normed block input); conv_state [B, C, Kc-1] / ssm_state [B, Hv, Dk, Dv] float32
-        or None for a fresh sequence. Returns (out [B, T, E], conv, ssm): the new states, or with
-        all_states the states after 0..T tokens, [B, T+1, C, Kc-1] and [B, T+1, Hv, Dk, Dv].
-        Calls of up to RECURRENT_MAX_T tokens use the per-token form, longer ones the chunked form."""
+        or None for a fresh sequence. Returns (out [B, T, E], conv, ssm, steps): the new states, and with
+        all_states steps = the states after 1..T-1 tokens, ([B, T-1, C, Kc-1], [B, T-1, Hv, Dk, Dv])
+        (else None). Calls of up to RECURRENT_MAX_T tokens use the per-token form, longer ones the
+        chunked form."""
         B, T, _ = a.shape
         hk, hv, dk, dv = self.n_k_heads, self.n_v_heads, self.d_k, self.d_v
         u, xpad = causal_conv1d(self.attn_qkv(a), self.ssm_conv1d.weight, conv_state)
@@ -155,13 +168,11 @@ class GatedDeltaNet(nn.Module):
         g = self.ssm_a * F.softplus(self.ssm_alpha(a) + self.ssm_dt.bias)
         if ssm_state is None:
             ssm_state = a.new_zeros(B, hv, dk, dv, dtype=torch.float32)
-        if T <= RECURRENT_MAX_T:
-            o, s = delta_rule_recurrent(q, k, v, g, beta, ssm_state, all_states=all_states)
-        else:
-            o, s = delta_rule_chunked(q, k, v, g, beta, ssm_state, chunk=chunk, all_states=all_states)
+        rule = delta_rule_recurrent if T <= RECURRENT_MAX_T else delta_rule_chunked
+        kw = {} if T <= RECURRENT_MAX_T else {"chunk": chunk}
+        o, s, *ssm_steps = rule(q, k, v, g, beta, ssm_state, all_states=all_states, **kw)
         z = self.attn_gate(a).reshape(B, T, hv, dv)
         y = rms_norm(o, self.ssm_norm.weight, self.eps) * F.silu(z)
         out = self.ssm_out(y.reshape(B, T, hv * dv))
-        if all_states:
-            return out, conv_states_per_step(xpad, self.kc), s
-        return out, xpad[:, :, T:], s
+        steps = (conv_states_per_step(xpad, self.kc)[:, 1:T], ssm_steps[0]) if all_states else None
+        return out, xpad[:, :, T:], s, steps

@@ -225,11 +225,10 @@ class Qwen35Model(nn.Module):
             else:
                 conv0 = None if cache is None else cache.conv[i][sl]
                 ssm0 = None if cache is None else cache.ssm[i][sl]
-                out, conv, ssm = blk.mixer(a, conv0, ssm0, chunk=chunk, all_states=gdn_steps)
+                out, conv, ssm, steps = blk.mixer(a, conv0, ssm0, chunk=chunk, all_states=gdn_steps)
                 h = h + out
                 if gdn_steps:
-                    steps_conv[i], steps_ssm[i] = conv, ssm
-                    conv, ssm = conv[:, -1], ssm[:, -1]
+                    steps_conv[i], steps_ssm[i] = steps
                 if cache is not None:
                     cache.conv[i][sl] = conv
                     cache.ssm[i][sl] = ssm

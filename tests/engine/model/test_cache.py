@@ -96,7 +96,7 @@ def test_rollback_after_verification_equals_plain_decoding(model):
     cache = ModelCache(model.cfg, 2, 64)
     model(prompt, cache, [1], logits="none")
     out = model(draft, cache, [1], gdn_steps=True)
-    assert out.gdn_steps.conv[0].shape[:2] == (1, 5)
+    assert out.gdn_steps.conv[0].shape[:2] == (1, 3)     # the states inside the call: after 1, 2, 3 tokens
     assert_close(out.logits[:, :2].numpy(), torch.cat(plain_logits, 1).numpy(), "verify logits", **TIGHT)
     cache.rollback(out.gdn_steps, [2])
     assert cache.lengths == [0, 19]
@@ -105,6 +105,24 @@ def test_rollback_after_verification_equals_plain_decoding(model):
             assert ((got - ref).abs().max() / ref.abs().max()) <= 1e-5
     nxt = _text(1, 3200)
     assert_close(model(nxt, cache, [1]).logits.numpy(), model(nxt, plain).logits.numpy(), "after", **TIGHT)
+
+
+def test_rollback_keeping_every_token_or_none(model):
+    """Keeping all T tokens leaves the cache as the forward left it (the final state is already there);
+    keeping none is refused before anything changes: the state before the call is not among the steps."""
+    prompt, draft = _text(11, 3300), _text(3, 3400)
+    cache = ModelCache(model.cfg, 1, 32)
+    model(prompt, cache, logits="none")
+    out = model(draft, cache, gdn_steps=True)
+    after = cache.snapshot_gdn(0)
+    with pytest.raises(ValueError, match="n_keep 0 not in 1..3"):
+        cache.rollback(out.gdn_steps, [0])
+    with pytest.raises(ValueError, match="2 counts for 1 rows"):
+        cache.rollback(out.gdn_steps, [3, 3])
+    cache.rollback(out.gdn_steps, [3])
+    assert cache.lengths == [14]
+    for b in model.cfg.gdn_layers:
+        assert torch.equal(cache.conv[b][0], after.conv[b]) and torch.equal(cache.ssm[b][0], after.ssm[b])
 
 
 def test_snapshot_restore_and_truncate(model):
