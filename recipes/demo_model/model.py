@@ -189,7 +189,7 @@ class DemoModel(nn.Module):
                 conv0 = ssm0 = None
                 if prefix is not None:
                     conv0, ssm0 = (prefix.expand(x, B) for x in prefix.gdn[i])
-                out, conv, ssm = blk.mixer(a, conv0, ssm0)
+                out, conv, ssm, _ = blk.mixer(a, conv0, ssm0)
                 h = h + out
                 if record is not None:
                     record.gdn[i] = (conv, ssm)
