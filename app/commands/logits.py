@@ -55,6 +55,30 @@ def load_model_as(f, weights: str, steps: str, device: str = "cpu", dtype=None):
     return load_model(f, device=device, dtype=dtype, packed=packed, min_packed=min_packed(steps, device))
 
 
+DRAFT_VOCAB_HELP = ("MTP drafts choose among the first N token ids only, so a draft's output head reads N rows "
+                    "instead of the whole vocabulary (BPE ids run roughly from most to least frequent; the "
+                    "output stays exact, only acceptance can drop); all (default) or 1..vocabulary size")
+
+
+def add_draft_vocab_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-vocab", default="all", metavar="N", help=DRAFT_VOCAB_HELP)
+
+
+def apply_draft_vocab(model, value: str | int | None) -> None:
+    """Set `model.set_draft_vocab` from a --draft-vocab value ('all', None or 1..vocabulary size)."""
+    n_vocab = model.cfg.n_vocab
+    if value is None or str(value).strip().lower() == "all":
+        n = None
+    else:
+        try:
+            n = int(str(value).strip())
+        except ValueError:
+            raise InputError(f"--draft-vocab: expected 'all' or a token count, got {value!r}") from None
+        if not 1 <= n <= n_vocab:
+            raise InputError(f"--draft-vocab: {n} not in 1..{n_vocab} (this model's vocabulary)")
+    model.set_draft_vocab(n)
+
+
 def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:
     """--model, --device, --dtype, --threads, --weights, --steps (shared with `generate` and `bench`)."""
     p.add_argument("--model", type=Path, help="GGUF model file (default: the bundled demo model)")
@@ -84,6 +108,7 @@ def load_from_args(args: argparse.Namespace):
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     f = open_gguf(args.model or default_model_path())
     model = load_model_as(f, getattr(args, "weights", "dense"), args.steps, args.device, getattr(torch, dtype_name))
+    apply_draft_vocab(model, getattr(args, "draft_vocab", None))
     model.compile_steps(args.steps, background=args.steps == "auto")
     return f, model
 

@@ -108,6 +108,14 @@ class PackedWeight:
             raise TypeError(f"{self.name}: index a 3-D packed weight by one expert number")
         return fused.dequant_rows(self.ggml_type, self.parts, idx)
 
+    def first_rows(self, n: int) -> PackedWeight:
+        """The first n rows of a 2-D weight, still packed (views of the same bytes)."""
+        if self.ndim != 2:
+            raise TypeError(f"{self.name}: first_rows of a {self.ndim}-D packed weight")
+        n = min(n, self.shape[0])
+        return PackedWeight(f"{self.name}[:{n}]", self.ggml_type, (n, self.shape[1]),
+                            {k: v[:n] for k, v in self.parts.items()})
+
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.ndim == 3:
             return torch.stack([self[i].dense(dtype) for i in range(self.shape[0])])

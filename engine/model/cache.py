@@ -131,7 +131,7 @@ class ModelCache:
             if not 1 <= keep <= T:
                 raise ValueError(f"rollback: n_keep {keep} not in 1..{T} (the state before the call is not "
                                  "kept; restore a snapshot to undo its first token)")
-        for i, (slot, keep) in enumerate(zip(steps.slots, n_keep)):
+        for i, (slot, keep) in enumerate(zip(steps.slots, n_keep, strict=True)):
             if keep == T:
                 continue
             self.lengths[slot] -= T - keep

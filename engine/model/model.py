@@ -104,6 +104,7 @@ class Qwen35Model(nn.Module):
         self.output = None if cfg.tied_output else Linear(E, cfg.n_vocab, dtype, device)
         self._steps = None                                       # CompiledSteps when compile_steps() enabled
         self._steps_status = ("eager", "not enabled (Qwen35Model.compile_steps)")
+        self.draft_vocab: int | None = None    # MTP drafts choose among the first N token ids (None: all)
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -117,10 +118,25 @@ class Qwen35Model(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.token_embd.weight[tokens].float()
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Post-norm hidden [..., E] -> logits [..., V] float32."""
+    def head(self, h: torch.Tensor, n_rows: int | None = None) -> torch.Tensor:
+        """Post-norm hidden [..., E] -> logits [..., V] float32 (of the first n_rows token ids only when
+        given: a draft vocabulary, see `set_draft_vocab`)."""
         w = self.token_embd.weight if self.output is None else self.output.weight
-        return matmul_weight(h, w)
+        return matmul_weight(h, _first_rows(w, n_rows))
+
+    def set_draft_vocab(self, n: int | None) -> None:
+        """Let MTP drafts choose among the first n token ids only (None or the vocabulary size: all).
+
+        A draft's output head reads n rows instead of the whole vocabulary; BPE vocabularies list tokens
+        in merge order, roughly most frequent first (the real Qwen3.5 vocabulary: ids < 65,536 are 98 % of
+        the tokens of English prose and Python code, docs/benchmarks.md). Drafts are only proposals:
+        verification keeps the output exact at any n (greedy drafts are one-hot, so speculative sampling
+        stays exact too); a token past n is never drafted, so acceptance can only drop where the target
+        is one. `mtp_forward` (the --mtp-out logits, imatrix) always computes the whole vocabulary."""
+        V = self.cfg.n_vocab
+        if n is not None and not 1 <= n <= V:
+            raise InputError(f"draft vocabulary: must be 1..{V} (this model's vocabulary), got {n}")
+        self.draft_vocab = None if n is None or n == V else int(n)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> Qwen35Model:
@@ -291,10 +307,11 @@ class Qwen35Model(nn.Module):
             cache.mtp_lengths[s] += T
         return MTPOutput(*res)
 
-    def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None):
+    def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None, vocab=None):
         """The tensor work of `mtp_forward` -> (post-norm hidden, logits or None); (None, None) for a
         cache commit (a cache, logits 'none'), which computes only the rows' keys and values. local: a
-        draft chain's scratch rows (see `KVView`): this step's KV row joins them instead of the cache."""
+        draft chain's scratch rows (see `KVView`): this step's KV row joins them instead of the cache.
+        vocab: logits of the first `vocab` token ids only (a draft chain's `draft_vocab`)."""
         blk = self.blk[n]
         nx = blk.nextn
         emb = self.embed(tokens) if nx.embed_tokens is None else nx.embed_tokens.weight[tokens].float()
@@ -315,8 +332,8 @@ class Qwen35Model(nn.Module):
         rows = self._rows(hm, logits)
         if rows is None:
             return hm, None
-        lg = matmul_weight(rows, nx.shared_head_head.weight) if nx.shared_head_head is not None \
-            else self.head(rows)
+        lg = matmul_weight(rows, _first_rows(nx.shared_head_head.weight, vocab)) \
+            if nx.shared_head_head is not None else self.head(rows, vocab)
         return hm, lg
 
     def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
@@ -352,6 +369,7 @@ class Qwen35Model(nn.Module):
     def _chain(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n):
         """The tensor work of `draft_chain`; positions [B, T + k - 1] cover every step's rows."""
         T = tokens.shape[1]
+        V = self.draft_vocab                       # drafts among the first V token ids (None: all)
         n_cached = n_keys - k + 1                  # cache rows once step 1 has written its T rows
         if cache is not None and T > 1:
             # step 1's rows before the last (queued entries) only enter the cache: their keys and values,
@@ -360,16 +378,16 @@ class Qwen35Model(nn.Module):
                       "none", n)
             last = None if single is None else (single[0], single[1] + T - 1)
             hm, lg = self._mtp(tokens[:, -1:], hidden[:, -1:], cache, slot_idx, positions[:, T - 1:T], n_cached,
-                               last, "last", n)
+                               last, "last", n, vocab=V)
         else:
-            hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n)
+            hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n, vocab=V)
         tok = lg[:, -1:].argmax(dim=-1)
         hid = hm[:, -1:]
         drafts = [tok]
         local = None if cache is None else ([], [])
         for j in range(1, k):
             hm, lg = self._mtp(tok, hid, cache, slot_idx, positions[:, T + j - 1:T + j], n_cached, single,
-                               "last", n, local)
+                               "last", n, local, V)
             tok = lg[:, -1:].argmax(dim=-1)
             hid = hm
             drafts.append(tok)
@@ -484,6 +502,13 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
     log.info("loaded %s: %s (%s, %s)", f.path, cfg.layer_pattern(), dtype, device)
     model.eval()
     return model
+
+
+def _first_rows(w, n: int | None):
+    """The first n rows of a 2-D weight (dense: a view; packed: `PackedWeight.first_rows`), or w itself."""
+    if n is None:
+        return w
+    return w.first_rows(n) if isinstance(w, PackedWeight) else w[:n]
 
 
 def _set_packed(model: nn.Module, pname: str, value: PackedWeight) -> None:

@@ -166,6 +166,8 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
         "configs": rows,
         "prompts": len(prompts), "repeats": repeats, "max_tokens": max_tokens,
         "wrong_drafts": wrong_drafts, "hidden": hidden, "clock": clock,
+        "n_vocab": model.cfg.n_vocab,
+        "draft_vocab": model.draft_vocab or model.cfg.n_vocab,     # token ids a draft chooses among
         "peak_rss_mib": peak_rss_mib,
         # the machine's state, read right after the timed runs: on the same code and file the ratios move with
         # it (a machine whose weight reads slow down favours rounds, which read the weights once for k+1 rows)

@@ -39,12 +39,20 @@ def test_every_mode_gives_the_plain_tokens_and_reports_mtp_stats(mtpchat):  # no
             assert st["gate"][0] == {"token": 5, "state": "on", "reason": "baseline ready"}
     default = _gen(mtpchat)
     assert default["mtp"] == "auto" and default["tokens"] == off["tokens"]
+    # drafts among the first 300 token ids only: the same output, some of the drafts lost
+    small = _gen(mtpchat, "--mtp", "on", "--draft", "2", "--draft-vocab", "300")
+    full = _gen(mtpchat, "--mtp", "on", "--draft", "2")
+    assert small["tokens"] == off["tokens"] and small["stats"]["drafted"] > 0
+    assert small["stats"]["accepted"] <= full["stats"]["accepted"]
 
 
 @pytest.mark.parametrize("args, message", [
     (("--mtp", "sometimes"), "invalid choice: 'sometimes'"),
     (("--mtp", "on", "--draft", "9"), "--draft: must be in 1..8, got 9"),
     (("--mtp", "on", "--draft", "0"), "--draft: must be in 1..8, got 0"),
+    (("--draft-vocab", "0"), "--draft-vocab: 0 not in 1..4096"),
+    (("--draft-vocab", "4097"), "--draft-vocab: 4097 not in 1..4096"),
+    (("--draft-vocab", "half"), "--draft-vocab: expected 'all' or a token count, got 'half'"),
 ])
 def test_bad_mtp_flags_exit_2_with_one_line(args, message, mtpchat):  # noqa: F811
     model = str(fixture_path(MODELS["dense"][0]))

@@ -223,6 +223,51 @@ def test_draft_chain_equals_step_by_step_drafting(model, queued):
         assert not caches[1].mtp_k[n_mtp][s, n:].any()      # nothing written past step 1
 
 
+def test_draft_vocabulary_drafts_among_its_first_token_ids(model):
+    """With `set_draft_vocab(n)` a chain drafts the argmax of the MTP logits' first n token ids at every
+    step (n is below the largest token the whole vocabulary drafts here, so the chains differ), while
+    `mtp_forward` keeps the whole vocabulary; bad sizes are refused and change nothing."""
+    from engine.errors import InputError
+    k = 4
+    t = _text(11, 7000)
+    drafts = {}
+
+    def prompt_cache():
+        cache = ModelCache(model.cfg, 1, 64)
+        out = model(t, cache, logits="none")
+        h = shift_hidden(out.hidden)
+        model.mtp_forward(t[:, :-1], h[:, :-1], cache, logits="none")
+        return cache, h
+
+    n = None
+    for vocab in (None, "n"):
+        vocab = n if vocab == "n" else None
+        cache, h = prompt_cache()
+        step, _ = prompt_cache()
+        want, tok, hid = [], t[:, -1:], h[:, -1:]
+        for _ in range(k):
+            mo = model.mtp_forward(tok, hid, step, logits="last")
+            assert mo.logits.shape[-1] == model.cfg.n_vocab
+            tok, hid = mo.logits[:, -1:, :vocab].argmax(-1), mo.hidden
+            want.append(tok)
+        try:
+            model.set_draft_vocab(vocab)
+            got, _ = model.draft_chain(t[:, -1:], h[:, -1:], cache, [0], k)
+        finally:
+            model.set_draft_vocab(None)
+        assert torch.equal(got, torch.cat(want, dim=1)), vocab
+        drafts[vocab] = got
+        if vocab is None:
+            n = int(got.max())       # the next pass leaves out the largest token drafted here
+    assert n > 0 and (drafts[n] < n).all() and not torch.equal(drafts[n], drafts[None])
+    for bad in (0, model.cfg.n_vocab + 1):
+        with pytest.raises(InputError, match="draft vocabulary"):
+            model.set_draft_vocab(bad)
+    assert model.draft_vocab is None
+    model.set_draft_vocab(model.cfg.n_vocab)           # the whole vocabulary: the same as None
+    assert model.draft_vocab is None
+
+
 def test_context_overflow_is_an_input_error(model):
     from engine.errors import InputError
     cache = ModelCache(model.cfg, 1, 8)

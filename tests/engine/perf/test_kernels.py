@@ -53,6 +53,9 @@ def test_packed_product_matches_dense_reference(kernels, t):
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
         y, r = pw.matmul(x), x @ ref.T
         assert ((y - r).abs().max() / r.abs().max()) < 1e-5, (kernels, t.name, m)
+    first = pw.first_rows(37)                                 # a draft vocabulary's head rows
+    assert first.shape == (37, 512) and torch.equal(first.dense(), ref[:37])
+    assert first.nbytes * 320 == pw.nbytes * 37                # views of the same bytes, 37 rows of them
     mode, reason = fused.status()
     assert mode == kernels and reason
     # many rows (prefill): slices dequantized by a compiled pass on the compiled path, eagerly else
