@@ -66,7 +66,6 @@ def add_draft_vocab_arg(p: argparse.ArgumentParser) -> None:
 
 def apply_draft_vocab(model, value: str | int | None) -> None:
     """Set `model.set_draft_vocab` from a --draft-vocab value ('all', None or 1..vocabulary size)."""
-    n_vocab = model.cfg.n_vocab
     if value is None or str(value).strip().lower() == "all":
         n = None
     else:
@@ -74,9 +73,7 @@ def apply_draft_vocab(model, value: str | int | None) -> None:
             n = int(str(value).strip())
         except ValueError:
             raise InputError(f"--draft-vocab: expected 'all' or a token count, got {value!r}") from None
-        if not 1 <= n <= n_vocab:
-            raise InputError(f"--draft-vocab: {n} not in 1..{n_vocab} (this model's vocabulary)")
-    model.set_draft_vocab(n)
+    model.set_draft_vocab(n, "--draft-vocab")
 
 
 def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:

@@ -124,7 +124,7 @@ class Qwen35Model(nn.Module):
         w = self.token_embd.weight if self.output is None else self.output.weight
         return matmul_weight(h, _first_rows(w, n_rows))
 
-    def set_draft_vocab(self, n: int | None) -> None:
+    def set_draft_vocab(self, n: int | None, what: str = "draft vocabulary") -> None:
         """Let MTP drafts choose among the first n token ids only (None or the vocabulary size: all).
 
         A draft's output head reads n rows instead of the whole vocabulary; BPE vocabularies list tokens
@@ -132,10 +132,11 @@ class Qwen35Model(nn.Module):
         the tokens of English prose and Python code, docs/benchmarks.md). Drafts are only proposals:
         verification keeps the output exact at any n (greedy drafts are one-hot, so speculative sampling
         stays exact too); a token past n is never drafted, so acceptance can only drop where the target
-        is one. `mtp_forward` (the --mtp-out logits, imatrix) always computes the whole vocabulary."""
+        is one. `mtp_forward` (the --mtp-out logits, imatrix) always computes the whole vocabulary.
+        what: the setting's name in the error for a size outside 1..vocabulary (e.g. a CLI flag)."""
         V = self.cfg.n_vocab
         if n is not None and not 1 <= n <= V:
-            raise InputError(f"draft vocabulary: must be 1..{V} (this model's vocabulary), got {n}")
+            raise InputError(f"{what}: {n} not in 1..{V} (this model's vocabulary)")
         self.draft_vocab = None if n is None or n == V else int(n)
 
     @torch.no_grad()
