@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from app.commands import bench_synthetic
-from app.commands.logits import add_draft_vocab_arg, add_model_args, load_from_args
+from app.commands.logits import add_draft_args, add_model_args, load_from_args
 from engine.errors import InputError
 from engine.spec.modes import HIDDEN_MODES, MTP_MODES
 
@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--wrong-drafts", action="store_true",
                    help="replace every draft by a wrong token: measures the pure overhead of speculation")
     p.add_argument("--mtp-hidden", choices=HIDDEN_MODES, default="post-norm", help="hidden state fed to MTP")
-    add_draft_vocab_arg(p)
+    add_draft_args(p)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time with the wall clock (default) or this thread's CPU time (use with --threads 1 "
                         "on a shared machine; the MTP policies then decide on CPU time too)")
@@ -160,6 +160,7 @@ def _table(doc: dict) -> None:
     title = (f"{doc['model']}: {doc['prompts']} prompts x {doc['repeats']}, {doc['max_tokens']} tokens, "
              f"{doc['device']} {doc['dtype']}, {doc['threads']} threads, {doc['clock']} clock"
              + (f", drafts among the first {doc['draft_vocab']} token ids" if doc["draft_vocab"] < doc["n_vocab"] else "")
+             + (f", {doc['draft_weights']} draft weights" if doc["draft_weights"] != "exact" else "")
              + (", WRONG DRAFTS" if doc["wrong_drafts"] else ""))
     t = Table(title=title)
     for col in ("config", "tok/s", "x off", "accept/pos", "mean len", "plain ms", "verify ms (rows)",

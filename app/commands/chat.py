@@ -14,8 +14,8 @@ from app.commands.logits import (
     STEPS_HELP,
     WEIGHTS,
     WEIGHTS_HELP,
-    add_draft_vocab_arg,
-    apply_draft_vocab,
+    add_draft_args,
+    apply_draft_options,
     load_model_as,
 )
 from engine.errors import InputError
@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="GGUF model file (default: the bundled demo model)")
     p.add_argument("--mtp", choices=MTP_MODES, default="auto", help="speculative decoding mode (default auto)")
     p.add_argument("--draft", type=int, default=3, help="draft tokens per round, 1..8 (default 3)")
-    add_draft_vocab_arg(p)
+    add_draft_args(p)
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per reply (default 512)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--system", help="system message")
@@ -47,7 +47,7 @@ class TerminalChat:
 
     def __init__(self, model_path: str, *, mtp: str, draft: int, max_tokens: int, temperature: float,
                  system: str | None, think: bool, steps: str = "eager", weights: str = "auto",
-                 draft_vocab: str | int | None = None):
+                 draft_vocab: str | int | None = None, draft_weights: str | None = None):
         from engine.bench.speed import describe_weights, weight_inventory
         from engine.gguf import open_gguf
         from engine.scheduler.model_backend import ModelBackend
@@ -60,7 +60,7 @@ class TerminalChat:
         self.tokenizer = Tokenizer.from_gguf(f)
         self.template = ChatTemplate.from_tokenizer_metadata(f.metadata, self.tokenizer)
         model = load_model_as(f, weights, steps)
-        apply_draft_vocab(model, draft_vocab)
+        apply_draft_options(model, draft_vocab, draft_weights, steps)
         self.steps_status = model.compile_steps(steps, background=steps == "auto")
         self.matrices = describe_weights(weight_inventory(model))   # e.g. "27 packed Q8_0, 4 dense float32"
         n_ctx = min(4096, model.cfg.context_length)
@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(f"mtpchat: loading {path} …\n")
     chat = TerminalChat(path, mtp=args.mtp, draft=args.draft, max_tokens=args.max_tokens,
                         temperature=args.temperature, system=args.system, think=not args.no_think,
-                        steps=args.steps, weights=args.weights, draft_vocab=args.draft_vocab)
+                        steps=args.steps, weights=args.weights, draft_vocab=args.draft_vocab,
+                        draft_weights=args.draft_weights)
     path_, why = chat.steps_status
     sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}; steps {path_}: {why}; matrices: {chat.matrices}). {HELP}\n")
     try:

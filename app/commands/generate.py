@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from app.commands.logits import add_draft_vocab_arg, add_model_args, load_from_args, parse_token_ids
+from app.commands.logits import add_draft_args, add_model_args, load_from_args, parse_token_ids
 from engine.errors import InputError
 from engine.spec.modes import DEFAULT_DRAFT, DEFAULT_MODE, HIDDEN_MODES, MTP_MODES
 
@@ -37,7 +37,7 @@ def register(subparsers) -> None:
                         "on a model without an MTP layer")
     p.add_argument("--draft", type=int, default=DEFAULT_DRAFT, metavar="K",
                    help="drafts per round, 1..8 (default 3; the largest k for auto)")
-    add_draft_vocab_arg(p)
+    add_draft_args(p)
     p.add_argument("--mtp-hidden", choices=HIDDEN_MODES, default="post-norm",
                    help="main hidden state fed to the MTP head: post-norm (default) or pre-norm (the seed's)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")

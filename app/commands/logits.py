@@ -58,22 +58,39 @@ def load_model_as(f, weights: str, steps: str, device: str = "cpu", dtype=None):
 DRAFT_VOCAB_HELP = ("MTP drafts choose among the first N token ids only, so a draft's output head reads N rows "
                     "instead of the whole vocabulary (BPE ids run roughly from most to least frequent; the "
                     "output stays exact, only acceptance can drop); all (default) or 1..vocabulary size")
+DRAFT_WEIGHTS_CHOICES = ("auto", "exact", "q8_0")
+DRAFT_WEIGHTS_HELP = ("the weights MTP drafts multiply by: q8_0 = Q8_0 copies of the MTP block's and the output "
+                      "head's float (F32/F16/BF16) matrices, a quarter or half of the bytes a draft reads (the "
+                      "output stays exact, only acceptance can change; CPU float32 only); exact = the file's; "
+                      "auto (default) = q8_0 where the steps are compiled on CPU, else exact")
 
 
-def add_draft_vocab_arg(p: argparse.ArgumentParser) -> None:
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """--draft-vocab and --draft-weights (generate, bench, chat, serve)."""
     p.add_argument("--draft-vocab", default="all", metavar="N", help=DRAFT_VOCAB_HELP)
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHTS_CHOICES, default="auto", help=DRAFT_WEIGHTS_HELP)
 
 
-def apply_draft_vocab(model, value: str | int | None) -> None:
-    """Set `model.set_draft_vocab` from a --draft-vocab value ('all', None or 1..vocabulary size)."""
-    if value is None or str(value).strip().lower() == "all":
+def apply_draft_options(model, vocab: str | int | None, weights: str | None, steps: str) -> None:
+    """Set `model.set_draft_vocab` from a --draft-vocab value ('all', None or 1..vocabulary size) and
+    `model.set_draft_weights` from a --draft-weights value (None or 'auto': q8_0 when `steps` will be
+    compiled on CPU for a float32 model, whose products then cost no call of their own; eager steps would pay
+    one per packed product, `engine.model.steps.min_packed`). Call before `compile_steps`."""
+    import torch
+
+    from engine.model.steps import min_packed
+
+    if vocab is None or str(vocab).strip().lower() == "all":
         n = None
     else:
         try:
-            n = int(str(value).strip())
+            n = int(str(vocab).strip())
         except ValueError:
-            raise InputError(f"--draft-vocab: expected 'all' or a token count, got {value!r}") from None
+            raise InputError(f"--draft-vocab: expected 'all' or a token count, got {vocab!r}") from None
     model.set_draft_vocab(n, "--draft-vocab")
+    if weights in (None, "auto"):
+        weights = "q8_0" if model.dtype == torch.float32 and min_packed(steps, model.device) == 0 else "exact"
+    model.set_draft_weights(weights, "--draft-weights")
 
 
 def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:
@@ -105,7 +122,7 @@ def load_from_args(args: argparse.Namespace):
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     f = open_gguf(args.model or default_model_path())
     model = load_model_as(f, getattr(args, "weights", "dense"), args.steps, args.device, getattr(torch, dtype_name))
-    apply_draft_vocab(model, getattr(args, "draft_vocab", None))
+    apply_draft_options(model, getattr(args, "draft_vocab", None), getattr(args, "draft_weights", None), args.steps)
     model.compile_steps(args.steps, background=args.steps == "auto")
     return f, model
 

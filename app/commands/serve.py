@@ -15,8 +15,8 @@ from app.commands.logits import (
     STEPS_HELP,
     WEIGHTS,
     WEIGHTS_HELP,
-    add_draft_vocab_arg,
-    apply_draft_vocab,
+    add_draft_args,
+    apply_draft_options,
     load_model_as,
 )
 from engine.errors import InputError
@@ -59,7 +59,7 @@ def register(subparsers) -> None:
                    help="MTP speculative decoding: off, on (fixed --draft), adaptive (the seed's gate) or "
                         "auto (pick k per round; default)")
     p.add_argument("--draft", type=int, default=3, metavar="K", help="draft tokens per round, 1..16 (default 3)")
-    add_draft_vocab_arg(p)
+    add_draft_args(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weight dtype (default float32 on CPU, bfloat16 on CUDA)")
@@ -123,7 +123,7 @@ def build_state(args: argparse.Namespace):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or (
         torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     model = load_model_as(f, args.weights, args.steps, args.device, dtype)
-    apply_draft_vocab(model, args.draft_vocab)
+    apply_draft_options(model, args.draft_vocab, args.draft_weights, args.steps)
     steps_path, steps_why = model.compile_steps(args.steps, background=args.steps == "auto")
     logging.getLogger("mtpchat.serve").info("decode steps: %s (%s); matrices: %s", steps_path, steps_why,
                                             describe_weights(weight_inventory(model)))

@@ -83,6 +83,26 @@ class PackedWeight:
             raise ValueError(f"{name}: {ggml_type.name} has no packed form")
         return cls(name, ggml_type, tuple(shape), parts)
 
+    @classmethod
+    def q8_0_of(cls, name: str, w: torch.Tensor, rows_at_once: int = 1 << 14) -> PackedWeight:
+        """A Q8_0 copy of a float 2-D weight [N, K] (K a multiple of 32), block by block as ggml's reference
+        quantizer writes it (gguf-py's `quants.quantize` gives the same bytes): d = max|x| / 127 kept as
+        float16, q = x * (1 / d) rounded half away from zero (0 where d is 0). Rows are converted a slice at
+        a time, so a large head needs no float32 copy of itself."""
+        if w.dim() != 2 or w.shape[1] % 32:
+            raise ValueError(f"{name}: Q8_0 needs a 2-D weight with rows a multiple of 32, got {tuple(w.shape)}")
+        N, K = w.shape
+        qs = torch.empty(N, K // 32, 32, dtype=torch.int8, device=w.device)
+        d = torch.empty(N, K // 32, 1, dtype=torch.float32, device=w.device)
+        for r in range(0, N, rows_at_once):
+            x = w[r:r + rows_at_once].float().reshape(-1, K // 32, 32)
+            dr = x.abs().amax(-1, keepdim=True) / 127
+            inv = torch.where(dr == 0, torch.zeros_like(dr), 1 / dr)
+            y = x * inv
+            qs[r:r + rows_at_once] = (y.sign() * (y.abs() + 0.5).floor()).to(torch.int8)
+            d[r:r + rows_at_once] = dr.half().float()
+        return cls(name, T.Q8_0, (N, K), {"qs": qs, "d": d})
+
     # -- tensor-like surface ----------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:

@@ -7,11 +7,13 @@ Weights live in the modules, per-sequence state in `ModelCache`. The full-sequen
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from engine.config import ATTN, GDN, ModelConfig
@@ -105,6 +107,8 @@ class Qwen35Model(nn.Module):
         self._steps = None                                       # CompiledSteps when compile_steps() enabled
         self._steps_status = ("eager", "not enabled (Qwen35Model.compile_steps)")
         self.draft_vocab: int | None = None    # MTP drafts choose among the first N token ids (None: all)
+        self.draft_weights = "exact"           # the weights a draft chain multiplies by (see set_draft_weights)
+        self._draft: dict[int, DraftTwin] = {}  # nextn block number -> its draft copy ('q8_0')
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -138,6 +142,41 @@ class Qwen35Model(nn.Module):
         if n is not None and not 1 <= n <= V:
             raise InputError(f"{what}: {n} not in 1..{V} (this model's vocabulary)")
         self.draft_vocab = None if n is None or n == V else int(n)
+
+    def set_draft_weights(self, kind: str, what: str = "draft weights") -> None:
+        """The weights MTP draft chains multiply by: 'exact' (the file's) or 'q8_0' (CPU, float32 models).
+
+        With 'q8_0' a chain reads Q8_0 copies (ggml's format, ~1.06 bytes a weight) of the nextn block's
+        matrices and of the output head wherever the file holds them in a float type (F32, F16, BF16);
+        weights already quantized are read as they are. A draft reads its weights once per drafted token,
+        so on float files the chain reads a quarter (F32) or half (16-bit) of the bytes. Drafts are only
+        proposals: verification keeps the output exact, and the MTP cache rows a chain keeps (its first
+        step's) are computed with the exact eh_proj, attn_k and attn_v, so the MTP cache stays what exact
+        drafting leaves (spec §1.5); only the draft tokens, hence acceptance, can differ.
+        `mtp_forward` (cache commits, --mtp-out, imatrix) always uses the exact weights. Memory: the copies
+        (demo model 1.4 MB; a BF16 0.8B file's tied 248,320-row head ~270 MB).
+        what: the setting's name in errors (e.g. a CLI flag)."""
+        if kind not in DRAFT_WEIGHTS:
+            raise InputError(f"{what}: expected one of {', '.join(DRAFT_WEIGHTS)}, got {kind!r}")
+        if kind == "q8_0" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise InputError(f"{what}: q8_0 draft weights run on CPU with float32 weights only "
+                             f"(this model: {self.device.type}, {str(self.dtype).removeprefix('torch.')})")
+        twins: dict[int, DraftTwin] = {}
+        if kind == "q8_0" and self.cfg.has_mtp:
+            for n in self.cfg.nextn_blocks:
+                nx = self.blk[n].nextn
+                head = nx.shared_head_head.weight if nx.shared_head_head is not None else \
+                    (self.token_embd.weight if self.output is None else self.output.weight)
+                twins[n] = DraftTwin(_q8_0_twin(self.blk[n]), _q8_0_weight("head", head))
+        self.draft_weights, self._draft = kind, twins
+        if self._steps is not None:
+            from engine.model.steps import _weights_static
+            _weights_static(self)
+
+    def draft_modules(self) -> list[nn.Module]:
+        """The draft copies' modules (not submodules of the model: its parameters and GGUF names stay the
+        file's); compiled steps mark their packed weights static as they do the model's."""
+        return [m for tw in self._draft.values() for m in tw.block.modules()]
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> Qwen35Model:
@@ -308,24 +347,31 @@ class Qwen35Model(nn.Module):
             cache.mtp_lengths[s] += T
         return MTPOutput(*res)
 
-    def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None, vocab=None):
+    def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None, vocab=None,
+             draft=False):
         """The tensor work of `mtp_forward` -> (post-norm hidden, logits or None); (None, None) for a
         cache commit (a cache, logits 'none'), which computes only the rows' keys and values. local: a
         draft chain's scratch rows (see `KVView`): this step's KV row joins them instead of the cache.
-        vocab: logits of the first `vocab` token ids only (a draft chain's `draft_vocab`)."""
+        vocab: logits of the first `vocab` token ids only (a draft chain's `draft_vocab`).
+        draft: a draft chain's step, which multiplies by the draft weights (`set_draft_weights`) except
+        where a row enters the cache: its input (eh_proj) and its keys and values stay exact there."""
         blk = self.blk[n]
         nx = blk.nextn
-        emb = self.embed(tokens) if nx.embed_tokens is None else nx.embed_tokens.weight[tokens].float()
-        u = nx.combine(emb, hidden)
+        twin = self._draft.get(n) if draft else None
         kv = None
         if cache is not None:
             kv = KVView(cache.mtp_k[n], cache.mtp_v[n], slot_idx, positions, n_keys, single, local)
+        kept = kv is not None and local is None                # this call writes its rows into the cache
+        emb = self.embed(tokens) if nx.embed_tokens is None else nx.embed_tokens.weight[tokens].float()
+        u = (nx if twin is None or kept else twin.block.nextn).combine(emb, hidden)
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
-        if kv is not None and local is None and logits == "none":
+        if kept and logits == "none":
             # a cache commit (prompt warm-up, plain-step sync, accepted drafts): the rows' keys and
             # values are all it keeps, and they depend on the block's input only
             blk.mixer.write_kv(blk.attn_norm(u), cos, sin, kv)
             return None, None
+        if twin is not None:
+            blk = twin.block          # the same norms, attn_k and attn_v; other matrices its copies
         u = u + blk.mixer(blk.attn_norm(u), cos, sin, kv)
         u = blk.feed_forward(u)
         norm = nx.shared_head_norm if nx.shared_head_norm is not None else self.output_norm
@@ -333,8 +379,12 @@ class Qwen35Model(nn.Module):
         rows = self._rows(hm, logits)
         if rows is None:
             return hm, None
-        lg = matmul_weight(rows, _first_rows(nx.shared_head_head.weight, vocab)) \
-            if nx.shared_head_head is not None else self.head(rows, vocab)
+        if twin is not None:
+            lg = matmul_weight(rows, _first_rows(twin.head, vocab))
+        elif nx.shared_head_head is not None:
+            lg = matmul_weight(rows, _first_rows(nx.shared_head_head.weight, vocab))
+        else:
+            lg = self.head(rows, vocab)
         return hm, lg
 
     def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
@@ -379,16 +429,17 @@ class Qwen35Model(nn.Module):
                       "none", n)
             last = None if single is None else (single[0], single[1] + T - 1)
             hm, lg = self._mtp(tokens[:, -1:], hidden[:, -1:], cache, slot_idx, positions[:, T - 1:T], n_cached,
-                               last, "last", n, vocab=V)
+                               last, "last", n, vocab=V, draft=True)
         else:
-            hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n, vocab=V)
+            hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n, vocab=V,
+                               draft=True)
         tok = lg[:, -1:].argmax(dim=-1)
         hid = hm[:, -1:]
         drafts = [tok]
         local = None if cache is None else ([], [])
         for j in range(1, k):
             hm, lg = self._mtp(tok, hid, cache, slot_idx, positions[:, T + j - 1:T + j], n_cached, single,
-                               "last", n, local, V)
+                               "last", n, local, V, draft=True)
             tok = lg[:, -1:].argmax(dim=-1)
             hid = hm
             drafts.append(tok)
@@ -505,6 +556,46 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
     return model
 
 
+DRAFT_WEIGHTS = ("exact", "q8_0")
+# nextn matrices a draft copy keeps exact: the keys and values its cached rows hold (the row's input,
+# eh_proj, is chosen per call in `_mtp`), and lookup tables
+_DRAFT_EXACT = ("attn_k", "attn_v", "embed_tokens", "shared_head_head")
+
+
+@dataclass
+class DraftTwin:
+    """What a draft chain multiplies by for one nextn block: `block`, a copy of the block whose modules
+    share the block's tensors except the matrices it holds as Q8_0, and `head`, the output head's weight."""
+
+    block: Block
+    head: object
+
+
+def _q8_0_weight(name: str, w):
+    """A Q8_0 form of a weight for drafting: an already quantized packed weight as it is, else a Q8_0
+    copy (rows of 32-multiples only; other shapes stay as they are)."""
+    if isinstance(w, PackedWeight):
+        if w.ggml_type not in (T.BF16, T.F16) or w.ndim != 2:
+            return w
+        w = w.dense()
+    return PackedWeight.q8_0_of(name, w) if w.dim() == 2 and w.shape[1] % 32 == 0 else w
+
+
+def _q8_0_twin(mod: nn.Module, name: str = "") -> nn.Module:
+    """A copy of `mod` and its submodules (new module objects, the same tensors) whose `Linear` weights
+    are Q8_0 (`_q8_0_weight`), except those named in _DRAFT_EXACT."""
+    twin = copy.copy(mod)                          # a new object; its dicts still the original's
+    twin._parameters = dict(mod._parameters)
+    twin._buffers = dict(mod._buffers)
+    twin._modules = {k: None if c is None else _q8_0_twin(c, k) for k, c in mod._modules.items()}
+    if isinstance(mod, Linear) and name not in _DRAFT_EXACT:
+        w = _q8_0_weight(name, mod.weight)
+        if w is not mod.weight:
+            twin._parameters.pop("weight", None)
+            twin.__dict__["weight"] = w
+    return twin
+
+
 def _first_rows(w, n: int | None):
     """The first n rows of a 2-D weight (dense: a view; packed: `PackedWeight.first_rows`), or w itself."""
     if n is None:
@@ -525,4 +616,4 @@ def _set_param(model: nn.Module, pname: str, value: torch.Tensor) -> None:
     setattr(mod, attr, nn.Parameter(value, requires_grad=False))
 
 
-__all__ = ["Block", "ForwardOutput", "MTPOutput", "Qwen35Model", "gguf_name", "load_model", "GDN", "ATTN"]
+__all__ = ["DRAFT_WEIGHTS", "Block", "ForwardOutput", "MTPOutput", "Qwen35Model", "gguf_name", "load_model", "GDN", "ATTN"]

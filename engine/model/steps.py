@@ -144,7 +144,7 @@ def _weights_static(model) -> None:
     not parameters, so `dynamic=True` made their sizes symbols: the Q8_0 block size 32 became a loop
     bound the C++ compiler could not unroll or vectorize for (0.8B shape: 52 ms a step, 2 threads)."""
     from engine.kernels import PackedWeight
-    for mod in model.modules():
+    for mod in [*model.modules(), *model.draft_modules()]:
         for v in vars(mod).values():
             if isinstance(v, PackedWeight):
                 for t in v.parts.values():
@@ -266,10 +266,11 @@ class CompiledSteps:
         fixed = single is not None and T <= ROW_PRODUCTS_MAX
         batch = _fixed_batch(single, B, 1)       # several sequences: steps 2..k have B rows
 
-        # the draft vocabulary is part of the kind (the traced graph reads it; module guards are off)
+        # the draft vocabulary and weights are part of the kind (the traced graph reads them; module guards
+        # are off)
         def key(t: int) -> tuple:
             return ("chain", _one(single), t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
-                    self.model.draft_vocab, batch)
+                    self.model.draft_vocab, self.model.draft_weights, batch)
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
         # compile together, so a request does not meet a new kind of chain at every new acceptance count
@@ -291,7 +292,7 @@ class CompiledSteps:
 
         def key(t: int) -> tuple:
             return ("round", _one(c_single), t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, self.model.draft_vocab,
-                    batch)
+                    self.model.draft_weights, batch)
 
         def siblings() -> list:
             return [(key(t), (B, t)) for t in (1, 2) if (t == 1) != (T == 1)] if fixed else []

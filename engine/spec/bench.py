@@ -168,6 +168,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
         "wrong_drafts": wrong_drafts, "hidden": hidden, "clock": clock,
         "n_vocab": model.cfg.n_vocab,
         "draft_vocab": model.draft_vocab or model.cfg.n_vocab,     # token ids a draft chooses among
+        "draft_weights": model.draft_weights,                      # exact or q8_0 (set_draft_weights)
         "peak_rss_mib": peak_rss_mib,
         # the machine's state, read right after the timed runs: on the same code and file the ratios move with
         # it (a machine whose weight reads slow down favours rounds, which read the weights once for k+1 rows)

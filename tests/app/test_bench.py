@@ -32,6 +32,7 @@ def test_bench_json_reports_every_configuration(tmp_path, mtpchat):  # noqa: F81
     assert set(on2["verify_ms"]) >= {"3"} and on2["draft_step_ms"] > 0
     assert doc["prompts"] == 2 and doc["clock"] == "cpu" and doc["peak_rss_mib"] > 0
     assert doc["draft_vocab"] == doc["n_vocab"] == 4096          # the default: drafts among every token
+    assert doc["draft_weights"] == ("q8_0" if doc["steps"]["path"] == "compiled" else "exact")   # auto
     assert set(doc["weights"]) == {"dense float32"} and doc["weights"]["dense float32"] > 10  # F32: none packed
     bw = doc["bandwidth"]    # the machine's state beside the ratios
     assert bw["memory_mib"] == 256 and bw["memory_gbs"] > 0 and bw["step_sized_gbs"] > 0
@@ -43,12 +44,12 @@ def test_bench_wrong_drafts_are_never_accepted(tmp_path, mtpchat):  # noqa: F811
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"tokens": np.load(ref_rel)["prompt_33"].tolist()}) + "\n")
     r = mtpchat("bench", "--model", str(model), "--prompts", str(prompts), "--max-tokens", "12",
-                "--mtp", "on", "--draft", "3", "--threads", "1", "--wrong-drafts", "--draft-vocab", "512", "--json")
+                "--mtp", "on", "--draft", "3", "--threads", "1", "--wrong-drafts", "--draft-vocab", "512", "--draft-weights", "q8_0", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     (on,) = doc["configs"]
     assert on["rounds"] > 0 and on["accept_rate"] < 0.2
-    assert doc["draft_vocab"] == 512 and doc["n_vocab"] == 4096
+    assert doc["draft_vocab"] == 512 and doc["n_vocab"] == 4096 and doc["draft_weights"] == "q8_0"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -44,6 +44,9 @@ def test_every_mode_gives_the_plain_tokens_and_reports_mtp_stats(mtpchat):  # no
     full = _gen(mtpchat, "--mtp", "on", "--draft", "2")
     assert small["tokens"] == off["tokens"] and small["stats"]["drafted"] > 0
     assert small["stats"]["accepted"] <= full["stats"]["accepted"]
+    # drafts multiplied by Q8_0 copies of this F32 file's MTP matrices and head: the same output
+    q8 = _gen(mtpchat, "--mtp", "on", "--draft", "2", "--draft-weights", "q8_0")
+    assert q8["tokens"] == off["tokens"] and q8["stats"]["drafted"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -53,6 +56,9 @@ def test_every_mode_gives_the_plain_tokens_and_reports_mtp_stats(mtpchat):  # no
     (("--draft-vocab", "0"), "--draft-vocab: 0 not in 1..4096"),
     (("--draft-vocab", "4097"), "--draft-vocab: 4097 not in 1..4096"),
     (("--draft-vocab", "half"), "--draft-vocab: expected 'all' or a token count, got 'half'"),
+    (("--draft-weights", "q4"), "invalid choice: 'q4'"),
+    (("--draft-weights", "q8_0", "--dtype", "bfloat16"),
+     "--draft-weights: q8_0 draft weights run on CPU with float32 weights only (this model: cpu, bfloat16)"),
 ])
 def test_bad_mtp_flags_exit_2_with_one_line(args, message, mtpchat):  # noqa: F811
     model = str(fixture_path(MODELS["dense"][0]))

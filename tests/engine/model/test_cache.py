@@ -268,6 +268,59 @@ def test_draft_vocabulary_drafts_among_its_first_token_ids(model):
     assert model.draft_vocab is None
 
 
+def test_q8_0_draft_weights_leave_the_mtp_cache_exact(model):
+    """With `set_draft_weights('q8_0')` a chain multiplies by Q8_0 copies of the nextn block's matrices and
+    of the head, except attn_k / attn_v (the same tensors) and, for the row its first step keeps in the MTP
+    cache, eh_proj: the cache after the chain is bitwise the one exact drafting leaves, while the drafts'
+    hidden state comes from the copies (it differs where the file's weights are float); 'exact' undoes it."""
+    from engine.errors import InputError
+    from engine.kernels import PackedWeight
+    k = 4
+    t = _text(13, 5000)
+    n = model.cfg.nextn_blocks[0]
+    runs = {}
+    for kind in ("exact", "q8_0", "exact"):
+        cache = ModelCache(model.cfg, 1, 64)
+        out = model(t[:, :-2], cache, logits="none")
+        h = shift_hidden(out.hidden)
+        model.mtp_forward(t[:, :-2], h, cache, logits="none")
+        o2 = model(t[:, -2:-1], cache, logits="none")
+        rows, hid = t[:, -2:], torch.cat([out.hidden[:, -1:], o2.hidden], dim=1)   # a queued entry + pending
+        try:
+            model.set_draft_weights(kind)
+            drafts, last = model.draft_chain(rows, hid, cache, [0], k)
+            twin = model._draft.get(n)
+        finally:
+            model.set_draft_weights("exact")
+        L = cache.mtp_lengths[0]
+        runs.setdefault(kind, []).append((drafts, last, cache.mtp_k[n][0, :L].clone(), cache.mtp_v[n][0, :L].clone(), L))
+        if kind == "q8_0":
+            blk = model.blk[n]
+            assert twin.block.mixer.attn_k.weight is blk.mixer.attn_k.weight
+            assert twin.block.mixer.attn_v.weight is blk.mixer.attn_v.weight
+            assert twin.block.attn_norm.weight is blk.attn_norm.weight
+            copies = [twin.block.mixer.attn_q, twin.block.mixer.attn_output, twin.block.nextn.eh_proj]
+            for mod, orig in zip(copies, [blk.mixer.attn_q, blk.mixer.attn_output, blk.nextn.eh_proj], strict=True):
+                assert isinstance(mod.weight, PackedWeight) and mod.weight.ggml_type.name == "Q8_0"
+                w = orig.weight.dense() if isinstance(orig.weight, PackedWeight) else orig.weight
+                err = (mod.weight.dense() - w).abs().reshape(w.shape[0], -1, 32).amax(-1)
+                # half a step (d = max|x| / 127), plus d's rounding to float16 for |q| <= 127
+                assert (err <= w.abs().reshape(w.shape[0], -1, 32).amax(-1) / 127 * 0.57 + 1e-12).all()
+            assert isinstance(twin.head, PackedWeight) and twin.head.ggml_type.name == "Q8_0"
+            assert not any(mod is orig for mod, orig in zip(twin.block.modules(), blk.modules(), strict=True))
+    (e1, e2), (q,) = runs["exact"], runs["q8_0"]
+    assert all(torch.equal(a, b) for a, b in zip(e1[:4], e2[:4], strict=True))  # 'exact' restores it
+    assert e1[4] == q[4] and torch.equal(e1[2], q[2]) and torch.equal(e1[3], q[3])
+    assert torch.equal(q[0][:, 0], e1[0][:, 0])             # this text's first draft: no near tie
+    diff = (q[1] - e1[1]).abs().max().item()
+    assert diff < 0.05 * e1[1].abs().max().item()
+    if model.cfg.arch == "qwen35":                           # the F32 fixture: the copies are not its weights
+        assert diff > 0
+    with pytest.raises(InputError, match="draft weights: expected one of exact, q8_0"):
+        model.set_draft_weights("q4")
+    assert model.draft_weights == "exact" and not model._draft
+
+
 def test_context_overflow_is_an_input_error(model):
     from engine.errors import InputError
     cache = ModelCache(model.cfg, 1, 8)

@@ -216,3 +216,23 @@ def test_whole_step_compiled_over_packed_weights(kernels, name, monkeypatch):
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("realize" in t for t in targets) >= len(packed) // 2, "products read unrealized activations"
     assert not any("compile" in t or "packed_" in t for t in targets)
+
+
+def test_q8_0_copy_of_a_float_weight_is_ggml_s_bytes():
+    """`PackedWeight.q8_0_of` (the draft weights' copies) writes the bytes gguf-py's reference quantizer
+    writes, zero blocks and exact halves included, however many rows it converts at a time."""
+    from gguf import quants
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 96, generator=g) * torch.rand(70, 1, generator=g)
+    w[3, :32] = 0                                   # d = 0: every quant 0
+    w[5, 32:64] = torch.arange(32) - 16.5            # d = 1/... with values at exact halves of a step
+    raw = torch.from_numpy(quants.quantize(w.numpy(), T.Q8_0).reshape(-1).copy())
+    ref = PackedWeight.from_gguf("w", T.Q8_0, (70, 96), raw)
+    for rows in (1, 16, 1 << 14):
+        pw = PackedWeight.q8_0_of("w", w, rows_at_once=rows)
+        assert torch.equal(pw.parts["qs"], ref.parts["qs"]) and torch.equal(pw.parts["d"], ref.parts["d"])
+    x = torch.randn(3, 96, generator=g)
+    torch.testing.assert_close(pw.matmul(x), x @ ref.dense().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        PackedWeight.q8_0_of("w", w[:, :40])
+
