@@ -574,11 +574,11 @@ class DraftTwin:
 def _q8_0_weight(name: str, w):
     """A Q8_0 form of a weight for drafting: an already quantized packed weight as it is, else a Q8_0
     copy (rows of 32-multiples only; other shapes stay as they are)."""
-    if isinstance(w, PackedWeight):
-        if w.ggml_type not in (T.BF16, T.F16) or w.ndim != 2:
-            return w
-        w = w.dense()
-    return PackedWeight.q8_0_of(name, w) if w.dim() == 2 and w.shape[1] % 32 == 0 else w
+    packed = isinstance(w, PackedWeight)
+    if packed and w.ggml_type not in (T.BF16, T.F16):
+        return w
+    src = w.parts["w"] if packed else w            # 16-bit rows as they are: q8_0_of widens a slice at a time
+    return PackedWeight.q8_0_of(name, src) if src.dim() == 2 and src.shape[1] % 32 == 0 else w
 
 
 def _q8_0_twin(mod: nn.Module, name: str = "") -> nn.Module:
