@@ -24,6 +24,13 @@ def set_row_products(on: bool) -> None:
     _row_products = on
 
 
+def in_row_products_graph() -> bool:
+    """True while tracing a compiled CPU step with a fixed, small row count (`set_row_products`): there
+    small products are written as reductions that inductor fuses into the step's loops instead of library
+    calls (each a call of its own from the compiled graph)."""
+    return _row_products and torch.compiler.is_compiling()
+
+
 def matmul_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., in] @ weight.T -> [..., out] in float32. The single place a weight multiplies an
     activation: activations are cast to the weight's dtype (bf16 on CUDA), results come back float32.
@@ -36,7 +43,7 @@ def matmul_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     0.38 ms against 0.46, 4 rows 0.62 against 1.11; docs/benchmarks.md)."""
     if isinstance(weight, PackedWeight):
         return weight.matmul(x)   # realizes x itself when compiling
-    if _row_products and weight.dtype == torch.float32 and weight.dim() == 2 and torch.compiler.is_compiling():
+    if weight.dtype == torch.float32 and weight.dim() == 2 and in_row_products_graph():
         y = _row_products_of(fused.realized(x), weight)
         if y is not None:
             return y
