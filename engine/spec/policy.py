@@ -10,6 +10,12 @@ taken every PLAIN_CHECK_EVERY rounds: on a CPU a plain step right after a prompt
 1.5-3x slower than in a run of plain steps (the weights it reads were pushed out of the cache), and
 timing noise only ever adds time, so an average of such steps would overrate MTP (demo model: plain
 steps 1.9, 1.2, 0.9, 0.8 ms after a prompt, 0.65-0.7 ms from the fifth on).
+
+V(n) is the same low quantile of the recent verifications of n rows (spec §4.2 says EMAs): the two sides
+of the comparison must be measured alike. Rounds slow down the same ways (the first rounds of a request
+ran 4.0-5.2 ms on the demo model against 3.4-3.7 later in the same request, Intel Xeon, one thread), and
+with T_0 a lower quartile and V(n) an average `auto` held MTP off on prompts where `on` was 6 % faster
+than `off`, then stayed off for the requests after them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ PROBE_MAX = 256
 PROBE_BUDGET = 0.02      # a lost probe may cost at most 2 % of the plain-step time between probes
 CALIBRATION_STEPS = 3    # plain steps measured before the first round; the first is discarded
 PLAIN_WINDOW = 32        # recent plain-step times kept; T_0 is their lower quartile
+VERIFY_WINDOW = 16       # recent verification times kept per row count; V(n) is their lower quartile
 PLAIN_CHECK_EVERY = 32   # while MTP is on, a run of PLAIN_STREAK plain steps after this many rounds
 PLAIN_STREAK = 4
 PRIOR_VERIFY_SLOPE = 0.25  # V(n) = V(1)·(1 + c·(n-1)) until two sizes are measured
@@ -65,7 +72,8 @@ class AutoPolicy(DraftController):
         self._plain_times: deque[float] = deque(maxlen=PLAIN_WINDOW)
         self.rounds_since_plain = 0
         self._streak = 0                        # plain steps left in the current measuring run
-        self.t_verify: dict[int, float] = {}   # rows n -> seconds
+        self.t_verify: dict[int, float] = {}   # rows n -> seconds (lower quartile of _verify_times[n])
+        self._verify_times: dict[int, deque[float]] = {}
         self.t_draft: float | None = None       # one draft step
         self.t_post: dict[int, float] = {}     # k -> acceptance-time work
         self.calibration_seen = 0
@@ -237,9 +245,11 @@ class AutoPolicy(DraftController):
     def observe_round(self, k: int, accepted: int, timing: RoundTiming) -> None:
         if k <= 0:
             return
-        if self._probing and accepted > 0 and min(self.alphas()[:accepted]) < SURPRISE:
-            # a probe accepted drafts the estimate said were near-hopeless: the text changed (prose ->
-            # code); restart the warm-up weights so the new regime is learnt in a few rounds
+        if self._probing and accepted > 0 and (min(self.alphas()[:accepted]) < SURPRISE
+                                               or accepted >= 1.0 + sum(self.acceptance()[:k])):
+            # a probe accepted drafts the estimate said were near-hopeless, or a whole draft more than it
+            # expected: the text changed (prose -> code, or a poor request -> a good one on a slot that keeps
+            # its estimates); restart the warm-up weights so the new regime is learnt in a few rounds
             self.alpha_n = [0] * (self.k_max + 1)
         # alpha_j is observed by rounds with k >= j whose drafts 1..j-1 were accepted (spec §4.2)
         for j in range(1, min(k, accepted + 1) + 1):
@@ -250,7 +260,9 @@ class AutoPolicy(DraftController):
             prior = self.alpha[j] if self.alpha[j] is not None else self.alphas()[j - 1]
             self.alpha[j] = w * hit + (1.0 - w) * prior
         self.t_draft = _ema(self.t_draft, timing.draft_s / k, TIME_EMA)
-        self.t_verify[k + 1] = _ema(self.t_verify.get(k + 1), timing.verify_s, TIME_EMA)
+        times = self._verify_times.setdefault(k + 1, deque(maxlen=VERIFY_WINDOW))
+        times.append(timing.verify_s)
+        self.t_verify[k + 1] = sorted(times)[(len(times) - 1) // 4]
         self.t_post[k] = _ema(self.t_post.get(k), timing.post_s, TIME_EMA)
         if self._probing:
             self._probing = False
