@@ -53,6 +53,10 @@ REASON_PROBE_WON = "probe won"
 REASON_PROBE_LOST = "probe lost"
 
 
+def _lower_quartile(times: deque[float]) -> float:
+    return sorted(times)[(len(times) - 1) // 4]
+
+
 def _ema(old: float | None, sample: float, weight: float) -> float:
     return sample if old is None else weight * sample + (1.0 - weight) * old
 
@@ -236,7 +240,7 @@ class AutoPolicy(DraftController):
         self.calibration_seen += 1
         if self.calibration_seen > 1:   # the first step of a fresh policy carries one-time costs
             self._plain_times.append(step_s)
-            self.t_plain = sorted(self._plain_times)[(len(self._plain_times) - 1) // 4]
+            self.t_plain = _lower_quartile(self._plain_times)
         if self.off:
             self.plain_since_off += 1
         if was_calibrating and self.state != CALIBRATING:
@@ -262,7 +266,7 @@ class AutoPolicy(DraftController):
         self.t_draft = _ema(self.t_draft, timing.draft_s / k, TIME_EMA)
         times = self._verify_times.setdefault(k + 1, deque(maxlen=VERIFY_WINDOW))
         times.append(timing.verify_s)
-        self.t_verify[k + 1] = sorted(times)[(len(times) - 1) // 4]
+        self.t_verify[k + 1] = _lower_quartile(times)
         self.t_post[k] = _ema(self.t_post.get(k), timing.post_s, TIME_EMA)
         if self._probing:
             self._probing = False
