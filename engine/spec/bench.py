@@ -50,11 +50,19 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
               repeats: int = 1, wrong_drafts: bool = False, hidden: str = "post-norm",
               eos_ids: frozenset[int] = frozenset(), progress: Callable[[int, int], None] | None = None,
               clock: str = "wall") -> dict:
-    n_vocab = model.cfg.n_vocab
+    # wrong drafts: every draft is (its argmax + 1) mod vocab, made inside the chain's own call
+    # (`set_wrong_drafts`), so greedy rounds keep drafting and verifying in one compiled graph as real
+    # rejected rounds do (a draft hook between the calls forced the slower unfused path)
+    before = model.draft_offset
+    model.set_wrong_drafts(wrong_drafts)
+    try:
+        return _run(model, prompts, configs, max_tokens=max_tokens, repeats=repeats, wrong_drafts=wrong_drafts,
+                    hidden=hidden, eos_ids=eos_ids, progress=progress, clock=clock)
+    finally:
+        model.draft_offset = before
 
-    def wrong(slot, p, drafts):
-        return (drafts + 1) % n_vocab
 
+def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, eos_ids, progress, clock) -> dict:
     per: dict[str, dict] = {c.name: {"tps": [], "stats": SpecStats(), "plain_s": [], "verify_s": {},
                                      "draft_s": [], "post_s": [], "cache_bytes": 0, "cuda_peak": 0, "fused": 0}
                             for c in configs}
@@ -75,8 +83,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
         return make
 
     def options(cfg: BenchConfig, **extra) -> SpecOptions:
-        return SpecOptions(mode=cfg.mode, n_draft=max(cfg.k, 1), hidden=hidden,
-                           draft_hook=wrong if wrong_drafts and cfg.mode != "off" else None, **extra)
+        return SpecOptions(mode=cfg.mode, n_draft=max(cfg.k, 1), hidden=hidden, **extra)
 
     steps = getattr(model, "_steps", None)
     if steps is not None:

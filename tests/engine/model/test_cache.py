@@ -223,6 +223,41 @@ def test_draft_chain_equals_step_by_step_drafting(model, queued):
         assert not caches[1].mtp_k[n_mtp][s, n:].any()      # nothing written past step 1
 
 
+def test_wrong_drafts_are_each_drafts_argmax_plus_one(model):
+    """`set_wrong_drafts(True)` (the bench's --wrong-drafts) returns every draft as its argmax + 1 mod the
+    vocabulary while the chain itself runs unchanged (the same MTP cache rows), in `draft_chain` and in
+    `draft_and_verify`, whose verification then rejects them; off again, the chain is the plain one."""
+    k = 4
+    t = _text(11, 7000)
+
+    def prompt_cache():
+        cache = ModelCache(model.cfg, 1, 64)
+        out = model(t, cache, logits="none")
+        h = shift_hidden(out.hidden)
+        model.mtp_forward(t[:, :-1], h[:, :-1], cache, logits="none")
+        return cache, h
+
+    got = {}
+    for wrong in (False, True, False):
+        cache, h = prompt_cache()
+        model.set_wrong_drafts(wrong)
+        try:
+            d, _ = model.draft_chain(t[:, -1:], h[:, -1:], cache, [0], k)
+            vcache, _ = prompt_cache()
+            vd, out, target = model.draft_and_verify(t[:, -1:], h[:, -1:], vcache, [0], k)
+        finally:
+            model.set_wrong_drafts(False)
+        assert torch.equal(vd, d) and torch.equal(target, out.logits.argmax(-1))
+        assert torch.equal(cache.mtp_k[model.cfg.nextn_blocks[0]][0, :cache.mtp_lengths[0]],
+                           vcache.mtp_k[model.cfg.nextn_blocks[0]][0, :vcache.mtp_lengths[0]])
+        got.setdefault(wrong, []).append(d)
+        if wrong:
+            assert not bool((target[:, :1] == d[:, :1]).any())   # the first draft is rejected
+    assert torch.equal(got[False][0], got[False][1])
+    assert torch.equal(got[True][0], (got[False][0] + 1) % model.cfg.n_vocab)
+    assert model.draft_offset == 0
+
+
 def test_draft_vocabulary_drafts_among_its_first_token_ids(model):
     """With `set_draft_vocab(n)` a chain drafts the argmax of the MTP logits' first n token ids at every
     step (n is below the largest token the whole vocabulary drafts here, so the chains differ), while

@@ -91,6 +91,29 @@ def test_compiled_steps_match_eager(name):
 
 
 @needs_cxx
+def test_wrong_drafts_run_in_the_fused_round():
+    """With `set_wrong_drafts(True)` (bench --wrong-drafts) a greedy round still drafts and verifies in one
+    compiled graph (a kind of its own: the offset is traced in), every draft is rejected and the tokens
+    are plain decoding's."""
+    path, ref_path = MODELS["dense"]
+    prompts = _prompts(get_ref(ref_path))[:1]
+    m = load_model(fixture_path(path))
+    want = _gen(m, prompts, "off", 1, n=12)
+    m.compile_steps("compiled", background=False)
+    m.set_wrong_drafts(True)
+    try:
+        dec = SpecDecoder(m, SpecOptions(mode="on", n_draft=2))
+        events = list(dec.stream(prompts, StopRule(max_tokens=12)))
+    finally:
+        m.set_wrong_drafts(False)
+    assert [r.tokens for r in dec.results()] == want
+    rounds = [e for e in events if e.k > 0]
+    assert rounds and all(e.draft_s == 0 for e in rounds)             # drafted inside the round's call
+    assert sum(e.accepted for e in rounds) == 0
+    assert any(key[0] == "round" and key[-2] == 1 for key in m._steps._ready), m._steps._ready
+
+
+@needs_cxx
 def test_compiled_round_leaves_the_cache_past_step_one_alone():
     """A greedy round's draft steps 2..k keep their MTP keys and values out of the cache (scratch rows):
     the compiled round writes only step 1's rows, and its cost does not grow with the cache's size. When
