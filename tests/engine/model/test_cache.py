@@ -223,6 +223,16 @@ def test_draft_chain_equals_step_by_step_drafting(model, queued):
         assert not caches[1].mtp_k[n_mtp][s, n:].any()      # nothing written past step 1
 
 
+def _prompt_cache(model, t: torch.Tensor):
+    """A one-slot cache holding the prompt t [1, T] in the main model and E(0..T-2) in the MTP cache, and the
+    shifted hidden rows (the carry of the pending last token is h[:, -1:])."""
+    cache = ModelCache(model.cfg, 1, 64)
+    out = model(t, cache, logits="none")
+    h = shift_hidden(out.hidden)
+    model.mtp_forward(t[:, :-1], h[:, :-1], cache, logits="none")
+    return cache, h
+
+
 def test_wrong_drafts_are_each_drafts_argmax_plus_one(model):
     """`set_wrong_drafts(True)` (the bench's --wrong-drafts) returns every draft as its argmax + 1 mod the
     vocabulary while the chain itself runs unchanged (the same MTP cache rows), in `draft_chain` and in
@@ -230,20 +240,13 @@ def test_wrong_drafts_are_each_drafts_argmax_plus_one(model):
     k = 4
     t = _text(11, 7000)
 
-    def prompt_cache():
-        cache = ModelCache(model.cfg, 1, 64)
-        out = model(t, cache, logits="none")
-        h = shift_hidden(out.hidden)
-        model.mtp_forward(t[:, :-1], h[:, :-1], cache, logits="none")
-        return cache, h
-
     got = {}
     for wrong in (False, True, False):
-        cache, h = prompt_cache()
+        cache, h = _prompt_cache(model, t)
         model.set_wrong_drafts(wrong)
         try:
             d, _ = model.draft_chain(t[:, -1:], h[:, -1:], cache, [0], k)
-            vcache, _ = prompt_cache()
+            vcache, _ = _prompt_cache(model, t)
             vd, out, target = model.draft_and_verify(t[:, -1:], h[:, -1:], vcache, [0], k)
         finally:
             model.set_wrong_drafts(False)
@@ -267,18 +270,11 @@ def test_draft_vocabulary_drafts_among_its_first_token_ids(model):
     t = _text(11, 7000)
     drafts = {}
 
-    def prompt_cache():
-        cache = ModelCache(model.cfg, 1, 64)
-        out = model(t, cache, logits="none")
-        h = shift_hidden(out.hidden)
-        model.mtp_forward(t[:, :-1], h[:, :-1], cache, logits="none")
-        return cache, h
-
     n = None
     for vocab in (None, "n"):
         vocab = n if vocab == "n" else None
-        cache, h = prompt_cache()
-        step, _ = prompt_cache()
+        cache, h = _prompt_cache(model, t)
+        step, _ = _prompt_cache(model, t)
         want, tok, hid = [], t[:, -1:], h[:, -1:]
         for _ in range(k):
             mo = model.mtp_forward(tok, hid, step, logits="last")
