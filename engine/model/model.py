@@ -108,7 +108,7 @@ class Qwen35Model(nn.Module):
         self._steps_status = ("eager", "not enabled (Qwen35Model.compile_steps)")
         self.draft_vocab: int | None = None    # MTP drafts choose among the first N token ids (None: all)
         self.draft_weights = "exact"           # the weights a draft chain multiplies by (see set_draft_weights)
-        self.draft_offset = 0                  # drafts returned as (argmax + offset) mod vocab (set_wrong_drafts)
+        self.wrong_drafts = False              # drafts returned as (argmax + 1) mod vocab (set_wrong_drafts)
         self._draft: dict[int, DraftTwin] = {}  # nextn block number -> its draft copy ('q8_0')
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ class Qwen35Model(nn.Module):
         chain itself runs unchanged (step j + 1 still reads step j's own argmax) and the offset is applied
         inside the same call, so a greedy round still drafts and verifies in one compiled graph: the cost
         measured is the one a real all-rejected round pays, not that of a slower unfused path."""
-        self.draft_offset = 1 if on else 0
+        self.wrong_drafts = bool(on)
 
     def draft_modules(self) -> list[nn.Module]:
         """The draft copies' modules (not submodules of the model: its parameters and GGUF names stay the
@@ -453,8 +453,8 @@ class Qwen35Model(nn.Module):
             hid = hm
             drafts.append(tok)
         out = torch.cat(drafts, dim=1)
-        if self.draft_offset:
-            out = (out + self.draft_offset) % self.cfg.n_vocab
+        if self.wrong_drafts:
+            out = (out + 1) % self.cfg.n_vocab
         return out, hid
 
     def draft_and_verify(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],

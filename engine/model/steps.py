@@ -266,11 +266,11 @@ class CompiledSteps:
         fixed = single is not None and T <= ROW_PRODUCTS_MAX
         batch = _fixed_batch(single, B, 1)       # several sequences: steps 2..k have B rows
 
-        # the draft vocabulary, weights and offset are part of the kind (the traced graph reads them; module guards
+        # the draft vocabulary and weights and wrong drafts are part of the kind (the traced graph reads them; module guards
         # are off)
         def key(t: int) -> tuple:
             return ("chain", _one(single), t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
-                    self.model.draft_vocab, self.model.draft_weights, self.model.draft_offset, batch)
+                    self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
         # compile together, so a request does not meet a new kind of chain at every new acceptance count
@@ -292,7 +292,7 @@ class CompiledSteps:
 
         def key(t: int) -> tuple:
             return ("round", _one(c_single), t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, self.model.draft_vocab,
-                    self.model.draft_weights, self.model.draft_offset, batch)
+                    self.model.draft_weights, self.model.wrong_drafts, batch)
 
         def siblings() -> list:
             return [(key(t), (B, t)) for t in (1, 2) if (t == 1) != (T == 1)] if fixed else []

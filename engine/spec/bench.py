@@ -53,13 +53,13 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
     # wrong drafts: every draft is (its argmax + 1) mod vocab, made inside the chain's own call
     # (`set_wrong_drafts`), so greedy rounds keep drafting and verifying in one compiled graph as real
     # rejected rounds do (a draft hook between the calls forced the slower unfused path)
-    before = model.draft_offset
+    before = model.wrong_drafts
     model.set_wrong_drafts(wrong_drafts)
     try:
         return _run(model, prompts, configs, max_tokens=max_tokens, repeats=repeats, wrong_drafts=wrong_drafts,
                     hidden=hidden, eos_ids=eos_ids, progress=progress, clock=clock)
     finally:
-        model.draft_offset = before
+        model.set_wrong_drafts(before)
 
 
 def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, eos_ids, progress, clock) -> dict:

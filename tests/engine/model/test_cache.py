@@ -258,7 +258,7 @@ def test_wrong_drafts_are_each_drafts_argmax_plus_one(model):
             assert not bool((target[:, :1] == d[:, :1]).any())   # the first draft is rejected
     assert torch.equal(got[False][0], got[False][1])
     assert torch.equal(got[True][0], (got[False][0] + 1) % model.cfg.n_vocab)
-    assert model.draft_offset == 0
+    assert model.wrong_drafts is False
 
 
 def test_draft_vocabulary_drafts_among_its_first_token_ids(model):
