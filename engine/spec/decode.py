@@ -18,6 +18,7 @@ import torch
 
 from engine.errors import InputError
 from engine.model import ModelCache, Qwen35Model, shift_hidden
+from engine.model.model import STEP_MAX_T
 from engine.sampling import Sampler, SamplingParams
 from engine.spec.events import RoundEvent, SpecStats
 from engine.spec.gate import AdaptiveGate, Decision, DraftController, FixedPolicy, RoundTiming
@@ -270,9 +271,14 @@ class SpecDecoder:
         m, cache, opt = self.model, self.cache, self.opt
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
+        # a greedy round drafts and verifies in one compiled call (see `fused` below), whose step 1 has a
+        # symbolic length: one sequence's whole backlog rides along while the call fits STEP_MAX_T rows
+        fusable = (m.steps_status[0] == "compiled" and opt.draft_hook is None and opt.rollback == "per_step"
+                   and all(s.sampler.params.greedy for s in seqs))
+        backlog_max = STEP_MAX_T - k if fusable and len(seqs) == 1 else k
         for s in seqs:
-            if len(s.mtp_queue) > k:
-                # draft step 1 writes up to k queued entries (the last round's accepted drafts): one
+            if len(s.mtp_queue) > backlog_max:
+                # else draft step 1 writes up to k queued entries (the last round's accepted drafts): one
                 # compiled chain per step-1 length 1..k+1. A longer backlog (plain-step entries) is
                 # written outside the round's timer: it is the plain steps' MTP sync (paid whatever k
                 # is), not a cost of drafting that policies should see
@@ -292,8 +298,7 @@ class SpecDecoder:
             by_len.setdefault(len(s.mtp_queue), []).append(i)
         # a greedy round whose rows share one step-1 length drafts and verifies in one call (one compiled
         # graph): its time is all verify_s (draft_s 0), the drafting being inside the call
-        fused = (m.steps_status[0] == "compiled" and len(by_len) == 1 and opt.draft_hook is None
-                 and opt.rollback == "per_step" and all(s.sampler.params.greedy for s in seqs))
+        fused = fusable and len(by_len) == 1
         out = targets = None
         for idx in by_len.values():
             x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] for i in idx], dtype=torch.long,
