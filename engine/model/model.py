@@ -235,7 +235,10 @@ class Qwen35Model(nn.Module):
             raise InputError(f"context: {max(starts) + T} tokens exceed the cache size n_ctx={cache.n_ctx}")
         dev = self.device
         slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
-        positions = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
+        if B == 1:   # one op instead of three: every decode step and round of one sequence comes here
+            positions = torch.arange(starts[0], starts[0] + T, dtype=torch.long, device=dev)[None]
+        else:
+            positions = torch.tensor(starts, dtype=torch.long, device=dev)[:, None] + torch.arange(T, device=dev)
         single = (slots[0], starts[0]) if B == 1 else None
         return slots, slot_idx, positions, max(starts) + T, single
 

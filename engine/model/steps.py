@@ -348,6 +348,10 @@ class CompiledSteps:
             if self.model.device.type == "cpu":
                 # the graph's host code as C++ instead of Python: verifications ~10 % faster, steps ~4 %
                 opts["cpp_wrapper"] = True
+                # intermediate buffers as slices of one pool allocated per call, not one allocation each
+                # (a k = 3 round of the demo model made ~210, now 12): rounds ~8 % faster on the AMD EPYC,
+                # compiling ~4 % slower (docs/benchmarks.md, twenty-first session)
+                opts["memory_planning"] = True
             fn = torch.compile(_fresh(step, f"mtpchat_{key[0]}_step_{next(_ids)}"), dynamic=True, options=opts or None)
             self._fns[key] = fn
         return fn

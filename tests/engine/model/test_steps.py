@@ -112,6 +112,23 @@ def test_wrong_drafts_run_in_the_fused_round():
     assert sum(e.accepted for e in rounds) == 0
     assert any(key[0] == "round" and key[-2] is True for key in m._steps._ready), m._steps._ready
 
+    # the seed's gate: 4 plain steps queue 4 MTP entries, and the first round writes them inside its one
+    # compiled call (step 1 over 5 rows) instead of a separate MTP pass before it
+    m.set_wrong_drafts(True)
+    try:
+        dec = SpecDecoder(m, SpecOptions(mode="adaptive", n_draft=2))
+        flushed = []
+        real_flush = dec._flush_mtp
+        dec._flush_mtp = lambda s: (flushed.append(len(s.mtp_queue)), real_flush(s))
+        events = list(dec.stream(prompts, StopRule(max_tokens=12)))
+    finally:
+        m.set_wrong_drafts(False)
+    assert [r.tokens for r in dec.results()] == want
+    rounds = [e for e in events if e.k > 0]
+    assert len(rounds) == 5 and all(e.draft_s == 0 for e in rounds)
+    assert [e.k for e in events[:5]] == [0, 0, 0, 0, 2]
+    assert not any(flushed), flushed                                  # no backlog written outside a round
+
 
 @needs_cxx
 def test_compiled_round_leaves_the_cache_past_step_one_alone():
