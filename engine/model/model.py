@@ -187,6 +187,11 @@ class Qwen35Model(nn.Module):
         file's); compiled steps mark their packed weights static as they do the model's."""
         return [m for tw in self._draft.values() for m in tw.block.modules()]
 
+    def draft_heads(self) -> list:
+        """The draft copies' output heads (`DraftTwin.head`: a Q8_0 `PackedWeight` or the file's tensor),
+        held outside any module; compiled steps mark them static too."""
+        return [tw.head for tw in self._draft.values()]
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float = 0.02) -> Qwen35Model:
         """Random initialisation in the transformers style, in the file's conventions (spec §8):

@@ -144,11 +144,13 @@ def _weights_static(model) -> None:
     not parameters, so `dynamic=True` made their sizes symbols: the Q8_0 block size 32 became a loop
     bound the C++ compiler could not unroll or vectorize for (0.8B shape: 52 ms a step, 2 threads)."""
     from engine.kernels import PackedWeight
-    for mod in [*model.modules(), *model.draft_modules()]:
-        for v in vars(mod).values():
-            if isinstance(v, PackedWeight):
-                for t in v.parts.values():
-                    torch._dynamo.mark_static(t)
+    weights = [v for mod in [*model.modules(), *model.draft_modules()] for v in vars(mod).values()]
+    # the draft heads too (held outside any module): unmarked, a Q8_0 head's blocks per row and block size
+    # were symbols, so each draft's head product ran loops of unknown bounds with a masked tail
+    for v in [*weights, *model.draft_heads()]:
+        if isinstance(v, PackedWeight):
+            for t in v.parts.values():
+                torch._dynamo.mark_static(t)
 
 
 def _one(single) -> tuple[int, int] | None:

@@ -340,3 +340,36 @@ def test_row_products_in_fixed_row_graphs(on):
         assert library == (not on or rows > layers.ROW_PRODUCTS_MAX), targets
         assert y.shape == (1, rows, 48)
         assert torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_every_packed_weight_a_draft_reads_has_static_sizes(monkeypatch):
+    """With Q8_0 draft weights a chain reads Q8_0 copies of the nextn block's matrices and of the output head;
+    the head is held outside any module (`DraftTwin.head`), and every such weight must still reach the traced
+    graph with concrete sizes: a symbolic block size makes each draft's head product a loop of unknown
+    bounds (demo model, one process, alternated per call: chain of 4 drafts 0.668 -> 0.566 ms)."""
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=capture, dynamic=kw.get("dynamic")))
+    model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
+    model.compile_steps("compiled", background=False)
+    model.set_draft_weights("q8_0")
+    assert model.draft_heads() and all(type(h).__name__ == "PackedWeight" for h in model.draft_heads())
+    cache = ModelCache(model.cfg, 1, 64, mtp=True)
+    with torch.inference_mode():
+        toks = torch.tensor([[1, 2, 3, 4, 5]])
+        out = model.forward(toks, cache, [0], logits="last")
+        model.mtp_forward(toks, out.hidden, cache, [0], logits="none")
+        model.draft_chain(torch.tensor([[6]]), out.hidden[:, -1:], cache, [0], 3)
+    assert any(key[0] == "chain" for key in model._steps._ready) and graphs
+    int8 = [n.meta["example_value"] for gm in graphs for n in gm.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+            and n.meta["example_value"].dtype == torch.int8]
+    head_rows = model.draft_heads()[0].shape[0]
+    assert any(t.shape[0] == head_rows for t in int8), [tuple(t.shape) for t in int8]
+    symbolic = [tuple(t.shape) for t in int8 if not all(isinstance(d, int) for d in t.shape)]
+    assert not symbolic, symbolic
