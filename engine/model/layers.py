@@ -54,10 +54,12 @@ def matmul_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _row_products_of(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     lead = x.shape[:-1]
     if not all(isinstance(d, int) for d in lead):
-        return None         # a symbolic row count (a round's draft step 1): the library product
+        return None         # a symbolic row count outside dynamo: the library product
     rows = 1
     for d in lead:
-        rows *= d           # concrete ints: the caller's kind of call fixes them
+        # under dynamo a symbolic size passes as an int and `range(rows)` below makes it a constant of the
+        # graph (a guard on its value): the kinds that trace this (engine.model.steps) fix every row count
+        rows *= d
     if rows > ROW_PRODUCTS_MAX:
         return None
     xr = x.float().reshape(rows, x.shape[-1])

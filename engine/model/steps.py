@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import types
 
@@ -58,6 +59,37 @@ def _dynamo_settings() -> None:
         cfg.recompile_limit = _RECOMPILE_LIMIT
     cfg.specialize_float = True
     _SETTINGS_SET.set(True)
+
+
+# While a worker compiles, the interpreter hands the GIL to a waiting thread after this long instead of
+# its default 5 ms. Each eager torch op of the decoding thread releases the GIL and then waits for the
+# worker's tracing to give it back: at 5 ms a demo-model request running eager beside a compile took
+# 29-71 s with pauses of 8-16 s between rounds, at 10 us 4-9 s (2 vCPUs; docs/benchmarks.md)
+_COMPILE_SWITCH_S = 1e-5
+_switch_lock = threading.Lock()
+_switch_users = 0
+_switch_saved = 0.0
+
+
+class _GilHandoff:
+    """Context: the short GIL switch interval while any worker compiles (nested and shared by workers)."""
+
+    def __enter__(self):
+        global _switch_users, _switch_saved
+        with _switch_lock:
+            if _switch_users == 0:
+                _switch_saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(_switch_saved, _COMPILE_SWITCH_S))
+            _switch_users += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _switch_users
+        with _switch_lock:
+            _switch_users -= 1
+            if _switch_users == 0:
+                sys.setswitchinterval(_switch_saved)
+        return False
 
 
 def _cxx() -> str | None:
@@ -269,9 +301,11 @@ class CompiledSteps:
         batch = _fixed_batch(single, B, 1)       # several sequences: steps 2..k have B rows
 
         # the draft vocabulary and weights and wrong drafts are part of the kind (the traced graph reads them; module guards
-        # are off)
+        # are off); so is T wherever step 1's rows take per-row products, which trace their row count as a
+        # constant (several sequences: B x (T - 1) cache rows), else T is dynamic
         def key(t: int) -> tuple:
-            return ("chain", _one(single), t if fixed else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
+            exact = fixed if single is not None else batch > 0 and B * (t - 1) <= ROW_PRODUCTS_MAX
+            return ("chain", _one(single), t if exact else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
                     self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
@@ -283,21 +317,28 @@ class CompiledSteps:
                           fixed or batch > 0, siblings)
 
     def round(self, tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single, k, n, chunk):
-        # a chain then a verification of k+1 rows in one graph, one kind per k (and T = 1 or not): step 1's T
-        # stays symbolic (its products run as library matrix products, the drafts' numerics being free),
-        # the verification's k+1 rows are fixed (per-row products, the plain step's numerics)
-        # (several sequences: compiled for their B when B x (k+1) rows fit the per-row products, as a batch of
-        # plain steps is, so a verification row has the plain step's numerics there too)
+        # a chain then a verification of k+1 rows in one graph, one kind per k and step-1 length T: with
+        # per-row products (one sequence with k+1 <= ROW_PRODUCTS_MAX rows, or several whose B x (k+1) rows fit
+        # them, as a batch of plain steps is) the verification's rows have the plain step's numerics, and
+        # every product's row count is traced as a constant, step 1's T - 1 cache rows included. So each T
+        # is a graph of its own, and a kind per T makes it one the worker compiles: with T symbolic in the
+        # key, each new T recompiled in the decode thread while it waited (demo model, k = 4: T = 3, 4, 5
+        # each stalled it 60-72 s with an empty inductor cache, ~4.4 s with a warm one)
         B, T = tokens.shape
         batch = _fixed_batch(c_single, B, k + 1)
         fixed = (c_single is not None and k + 1 <= ROW_PRODUCTS_MAX) or batch > 0
 
         def key(t: int) -> tuple:
-            return ("round", _one(c_single), t == 1, k, n, cache.n_slots == 1, cache.kv_dtype, self.model.draft_vocab,
-                    self.model.draft_weights, self.model.wrong_drafts, batch)
+            # step 1's t - 1 cache rows per sequence take per-row products while they fit them (a longer
+            # backlog's take the library product, and one graph serves every such t)
+            exact = fixed and B * (t - 1) <= ROW_PRODUCTS_MAX
+            return ("round", _one(c_single), t if exact else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
+                    self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
 
+        # the lengths step 1 usually has (the last round's accepted drafts + the pending token) compile
+        # together; a longer one (a plain-step backlog) is queued when it first comes
         def siblings() -> list:
-            return [(key(t), (B, t)) for t in (1, 2) if (t == 1) != (T == 1)] if fixed else []
+            return [(key(t), (B, t)) for t in range(1, k + 2) if key(t) != key(T)] if fixed else []
 
         return self._call(key(T), (tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single,
                                    k, n, chunk), tokens.shape, fixed, siblings)
@@ -387,7 +428,7 @@ class CompiledSteps:
             if self._failed is not None or self._closed:
                 continue
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), _GilHandoff():
                     self._warm(key, shape, args, fixed_rows)
                 self._ready.add(key)
                 log.info("compiled step ready: %s", key[:5])

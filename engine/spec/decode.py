@@ -271,8 +271,9 @@ class SpecDecoder:
         m, cache, opt = self.model, self.cache, self.opt
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
-        # a greedy round drafts and verifies in one compiled call (see `fused` below), whose step 1 has a
-        # symbolic length: one sequence's whole backlog rides along while the call fits STEP_MAX_T rows
+        # a greedy round drafts and verifies in one compiled call (see `fused` below), whose step 1 takes any
+        # length (a compiled kind per length): one sequence's whole backlog rides along while the call fits
+        # STEP_MAX_T rows
         fusable = (m.steps_status[0] == "compiled" and opt.draft_hook is None and opt.rollback == "per_step"
                    and all(s.sampler.params.greedy for s in seqs))
         backlog_max = STEP_MAX_T - k if fusable and len(seqs) == 1 else k

@@ -373,3 +373,80 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(monkeypatch):
     assert any(t.shape[0] == head_rows for t in int8), [tuple(t.shape) for t in int8]
     symbolic = [tuple(t.shape) for t in int8 if not all(isinstance(d, int) for d in t.shape)]
     assert not symbolic, symbolic
+
+
+def test_every_step_one_length_of_a_round_compiles_in_the_worker(monkeypatch):
+    """A fused round's step 1 takes T rows (the pending token and the queued MTP entries: 1..k+1 after a
+    round). Each T traces as a graph of its own (its row counts are constants), so each is a kind the
+    background worker compiles; before, T = 3.. recompiled in the decoding thread, which waited (demo model:
+    60-72 s each with an empty inductor cache)."""
+    import threading
+
+    traced = []
+
+    def capture(gm, _inputs):
+        traced.append(threading.current_thread().name)
+        return gm.forward
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=capture, dynamic=kw.get("dynamic")))
+    model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
+    model.compile_steps("compiled", background=True)
+    k = 3
+    cache = ModelCache(model.cfg, 1, 96, mtp=True)
+    with torch.inference_mode():
+        toks = torch.arange(1, 20)[None]
+        out = model.forward(toks, cache, [0], logits="last")
+        model.mtp_forward(toks, out.hidden, cache, [0], logits="none")
+        P, PM, snap = cache.lengths[0], cache.mtp_lengths[0], cache.snapshot_gdn(0)
+
+        def round_of(T: int) -> bool:
+            n = model._steps.n_compiled_calls
+            hidden = torch.stack([out.hidden[0, -1]] * T)[None]          # contiguous, as the decoder's
+            model.draft_and_verify(torch.full((1, T), 5), hidden, cache, [0], k)
+            cache.truncate(0, P)
+            cache.truncate_mtp(0, PM)
+            cache.restore_gdn(0, snap)
+            return model._steps.n_compiled_calls > n
+
+        assert not round_of(1)                                           # eager; queues T = 1..k+1
+        assert model._steps.drain(600)
+        main = threading.current_thread().name
+        before = traced.count(main)
+        assert [round_of(T) for T in range(1, k + 2)] == [True] * (k + 1)
+        assert traced.count(main) == before, traced                     # nothing traced in this thread
+    rounds = {key[2] for key in model._steps._ready if key[0] == "round"}
+    assert rounds == set(range(1, k + 2)), model._steps._ready
+    model._steps.close()
+
+
+def test_the_gil_changes_hands_often_while_a_worker_compiles():
+    """While the worker compiles, the interpreter's switch interval is short (each eager op of the decoding
+    thread waits for the GIL after it, and at the default 5 ms a request running eager beside a compile
+    paused for seconds); nested or shared by workers, it comes back to what it was when the last one ends."""
+    import sys
+
+    def short() -> bool:     # the interpreter keeps the interval in microseconds
+        return sys.getswitchinterval() == pytest.approx(steps_mod._COMPILE_SWITCH_S, rel=1e-3)
+
+    saved = sys.getswitchinterval()
+    assert saved > 2 * steps_mod._COMPILE_SWITCH_S
+    with steps_mod._GilHandoff():
+        assert short()
+        with steps_mod._GilHandoff():
+            assert short()
+        assert short()
+    assert sys.getswitchinterval() == saved
+
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    steps = steps_mod.CompiledSteps(model, "test", background=True)
+    seen = []
+    steps._warm = lambda key, shape, args, fixed_rows: seen.append((key, short()))
+    try:
+        steps._jobs.put((("main", None, 1), (1, 1), (), False))
+        steps._start_worker()
+        assert steps.drain(60)
+    finally:
+        steps.close()
+    assert seen == [(("main", None, 1), True)]
+    assert sys.getswitchinterval() == saved
