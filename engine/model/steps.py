@@ -63,8 +63,9 @@ def _dynamo_settings() -> None:
 
 # While a worker compiles, the interpreter hands the GIL to a waiting thread after this long instead of
 # its default 5 ms. Each eager torch op of the decoding thread releases the GIL and then waits for the
-# worker's tracing to give it back: at 5 ms a demo-model request running eager beside a compile took
-# 29-71 s with pauses of 8-16 s between rounds, at 10 us 4-9 s (2 vCPUs; docs/benchmarks.md)
+# worker's tracing to give it back: at 5 ms the first demo-model request, eager beside the compile, took
+# 37-71 s with pauses of 10-16 s between rounds, at 10 us 9.5-11 s with pauses under 5 s (2 vCPUs; the
+# twenty-second session in docs/benchmarks.md)
 _COMPILE_SWITCH_S = 1e-5
 _switch_lock = threading.Lock()
 _switch_users = 0
