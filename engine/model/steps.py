@@ -200,6 +200,13 @@ def _fixed_batch(single, B: int, T: int) -> int:
     return B if single is None and B * T <= ROW_PRODUCTS_MAX else 0
 
 
+def _step1_rows(t: int, B: int, row_products: bool) -> int | bool:
+    """A chain's or round's step-1 length as its kind of call holds it. Step 1 writes t - 1 cache rows per
+    sequence; where they take per-row products (B x (t - 1) <= ROW_PRODUCTS_MAX in a graph traced with them)
+    their count is a constant of the graph, so t is part of the kind; else one graph serves every t > 1."""
+    return t if row_products and B * (t - 1) <= ROW_PRODUCTS_MAX else t == 1
+
+
 def _mark_batch(key: tuple, args: tuple) -> None:
     """For a kind compiled for one batch size (every key ends with it: B > 0, else 0), make the leading
     dim of its per-sequence tensors static when tracing (dynamic=True would make B a symbol, and per-row
@@ -302,12 +309,10 @@ class CompiledSteps:
         batch = _fixed_batch(single, B, 1)       # several sequences: steps 2..k have B rows
 
         # the draft vocabulary and weights and wrong drafts are part of the kind (the traced graph reads them; module guards
-        # are off); so is T wherever step 1's rows take per-row products, which trace their row count as a
-        # constant (several sequences: B x (T - 1) cache rows), else T is dynamic
+        # are off); so is T wherever step 1's rows take per-row products (`_step1_rows`)
         def key(t: int) -> tuple:
-            exact = fixed if single is not None else batch > 0 and B * (t - 1) <= ROW_PRODUCTS_MAX
-            return ("chain", _one(single), t if exact else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
-                    self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
+            return ("chain", _one(single), _step1_rows(t, B, fixed or batch > 0), k, n, cache.n_slots == 1,
+                    cache.kv_dtype, self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
         # compile together, so a request does not meet a new kind of chain at every new acceptance count
@@ -330,10 +335,8 @@ class CompiledSteps:
         fixed = (c_single is not None and k + 1 <= ROW_PRODUCTS_MAX) or batch > 0
 
         def key(t: int) -> tuple:
-            # step 1's t - 1 cache rows per sequence take per-row products while they fit them (a longer
-            # backlog's take the library product, and one graph serves every such t)
-            exact = fixed and B * (t - 1) <= ROW_PRODUCTS_MAX
-            return ("round", _one(c_single), t if exact else t == 1, k, n, cache.n_slots == 1, cache.kv_dtype,
+            # a backlog too long for per-row products takes the library product: one graph for every such t
+            return ("round", _one(c_single), _step1_rows(t, B, fixed), k, n, cache.n_slots == 1, cache.kv_dtype,
                     self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
 
         # the lengths step 1 usually has (the last round's accepted drafts + the pending token) compile

@@ -342,31 +342,42 @@ def test_row_products_in_fixed_row_graphs(on):
         assert torch.allclose(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_every_packed_weight_a_draft_reads_has_static_sizes(monkeypatch):
-    """With Q8_0 draft weights a chain reads Q8_0 copies of the nextn block's matrices and of the output head;
-    the head is held outside any module (`DraftTwin.head`), and every such weight must still reach the traced
-    graph with concrete sizes: a symbolic block size makes each draft's head product a loop of unknown
-    bounds (demo model, one process, alternated per call: chain of 4 drafts 0.668 -> 0.566 ms)."""
-    graphs = []
+@pytest.fixture
+def traced_in(monkeypatch):
+    """torch.compile with a backend that only records each traced graph and the thread that traced it
+    (no inductor): a list of (graph module, thread name)."""
+    import threading
+
+    traced = []
 
     def capture(gm, _inputs):
-        graphs.append(gm)
+        traced.append((gm, threading.current_thread().name))
         return gm.forward
 
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=capture, dynamic=kw.get("dynamic")))
+    return traced
+
+
+def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in):
+    """With Q8_0 draft weights a chain reads Q8_0 copies of the nextn block's matrices and of the output head;
+    the head is held outside any module (`DraftTwin.head`), and every such weight must still reach the traced
+    graph with concrete sizes: a symbolic block size makes each draft's head product a loop of unknown
+    bounds (demo model, one process, alternated per call: chain of 4 drafts 0.668 -> 0.566 ms)."""
+    from engine.kernels import PackedWeight
+
     model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
     model.compile_steps("compiled", background=False)
     model.set_draft_weights("q8_0")
-    assert model.draft_heads() and all(type(h).__name__ == "PackedWeight" for h in model.draft_heads())
+    assert model.draft_heads() and all(isinstance(h, PackedWeight) for h in model.draft_heads())
     cache = ModelCache(model.cfg, 1, 64, mtp=True)
     with torch.inference_mode():
         toks = torch.tensor([[1, 2, 3, 4, 5]])
         out = model.forward(toks, cache, [0], logits="last")
         model.mtp_forward(toks, out.hidden, cache, [0], logits="none")
         model.draft_chain(torch.tensor([[6]]), out.hidden[:, -1:], cache, [0], 3)
-    assert any(key[0] == "chain" for key in model._steps._ready) and graphs
-    int8 = [n.meta["example_value"] for gm in graphs for n in gm.graph.nodes
+    assert any(key[0] == "chain" for key in model._steps._ready) and traced_in
+    int8 = [n.meta["example_value"] for gm, _ in traced_in for n in gm.graph.nodes
             if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
             and n.meta["example_value"].dtype == torch.int8]
     head_rows = model.draft_heads()[0].shape[0]
@@ -375,21 +386,13 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(monkeypatch):
     assert not symbolic, symbolic
 
 
-def test_every_step_one_length_of_a_round_compiles_in_the_worker(monkeypatch):
+def test_every_step_one_length_of_a_round_compiles_in_the_worker(traced_in):
     """A fused round's step 1 takes T rows (the pending token and the queued MTP entries: 1..k+1 after a
     round). Each T traces as a graph of its own (its row counts are constants), so each is a kind the
     background worker compiles; before, T = 3.. recompiled in the decoding thread, which waited (demo model:
     60-72 s each with an empty inductor cache)."""
     import threading
 
-    traced = []
-
-    def capture(gm, _inputs):
-        traced.append(threading.current_thread().name)
-        return gm.forward
-
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=capture, dynamic=kw.get("dynamic")))
     model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
     model.compile_steps("compiled", background=True)
     k = 3
@@ -412,9 +415,10 @@ def test_every_step_one_length_of_a_round_compiles_in_the_worker(monkeypatch):
         assert not round_of(1)                                           # eager; queues T = 1..k+1
         assert model._steps.drain(600)
         main = threading.current_thread().name
-        before = traced.count(main)
+        before = [name for _, name in traced_in].count(main)
         assert [round_of(T) for T in range(1, k + 2)] == [True] * (k + 1)
-        assert traced.count(main) == before, traced                     # nothing traced in this thread
+        threads = [name for _, name in traced_in]
+        assert threads.count(main) == before, threads                   # nothing traced in this thread
     rounds = {key[2] for key in model._steps._ready if key[0] == "round"}
     assert rounds == set(range(1, k + 2)), model._steps._ready
     model._steps.close()
