@@ -218,6 +218,30 @@ def _mark_batch(key: tuple, args: tuple) -> None:
                 torch._dynamo.mark_static(a, 0)
 
 
+def _guarded_entries(fn) -> list[tuple[object, types.FunctionType]]:
+    """The graphs dynamo holds for one compiled kind, in its lookup order: (guards, the entry's code as a
+    function of the step's own arguments). Calling an entry's code runs the graph as dynamo would after its
+    guards pass, without dynamo's frame hook and the wrappers around it: a compiled call of the demo model's
+    plain step 470 -> 430 us on the AMD EPYC (guards checked, same process; 410 us unchecked). Empty where
+    this torch keeps its entries otherwise: every call then goes through dynamo."""
+    listing = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    listing = getattr(listing, "_debug_get_cache_entry_list", None)
+    orig = getattr(fn, "_torchdynamo_orig_callable", None)
+    if listing is None or not isinstance(orig, types.FunctionType):
+        return []
+    out = []
+    try:
+        for entry in listing(orig.__code__):
+            guards, code = entry.guard_manager, entry.code
+            if not hasattr(guards, "check") or code.co_freevars or code.co_argcount != orig.__code__.co_argcount:
+                return []
+            out.append((guards, types.FunctionType(code, orig.__globals__, orig.__name__, orig.__defaults__)))
+    except (AttributeError, TypeError) as exc:
+        log.info("dynamo's compiled entries not usable directly (%s): compiled calls go through dynamo", exc)
+        return []
+    return out
+
+
 def _fx_trace_once() -> None:
     """Run inductor's one plain `torch.fx.symbolic_trace` of the process now, in this thread.
 
@@ -258,7 +282,10 @@ class CompiledSteps:
         self._worker: threading.Thread | None = None
         self._failed: str | None = None
         self._closed = False
+        # kind -> its graphs as `_guarded_entries` gives them, read after the kind's first call through dynamo
+        self._entries: dict[tuple, list] = {}
         self.n_compiled_calls = 0
+        self.n_direct_calls = 0                # compiled calls that ran an entry directly (its guards passed)
         self.n_eager_calls = 0                 # calls that ran eager because their kind was not ready
 
     # -- state -------------------------------------------------------------------------------------
@@ -368,7 +395,11 @@ class CompiledSteps:
         try:
             _dynamo_settings()       # a first call in this thread may trace (foreground) or retrace
             set_row_products(fixed_rows and self._cpu)
-            out = fn(self.model, *args)
+            out = self._run_entry(key, args)
+            if out is None:
+                out = fn(self.model, *args)
+                # the graphs dynamo now holds (a first call, or a recompile: its guards had failed)
+                self._entries[key] = _guarded_entries(fn)
             self._ready.add(key)
             self.n_compiled_calls += 1
             return out
@@ -379,6 +410,19 @@ class CompiledSteps:
             return None
         finally:
             self._lock.release()
+
+    def _run_entry(self, key: tuple, args: tuple):
+        """The result of the first of the kind's graphs whose guards pass for these arguments (the one
+        dynamo would run), or None: then the call goes through dynamo, which recompiles where none passes.
+        The frame the guards see is the step function's: `model` and the tuple `args`."""
+        entries = self._entries.get(key)
+        if entries:
+            frame = {"model": self.model, "args": args}
+            for guards, run in entries:
+                if guards.check(frame):
+                    self.n_direct_calls += 1
+                    return run(self.model, *args)
+        return None
 
     def _fn(self, key: tuple):
         """The compiled function of one kind of call. Each kind gets a code object of its own, so a

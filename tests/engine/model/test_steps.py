@@ -204,6 +204,56 @@ def test_background_mode_runs_eager_until_compiled(monkeypatch):
     fast._steps.close()
 
 
+@needs_cxx
+def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
+    """After a kind's first call through dynamo, its calls run the guarded graph's code directly (the guards
+    checked by the call, not by dynamo's frame hook): the same tokens and logits as through dynamo; where the
+    guards fail the call goes through dynamo, which compiles a graph for it, and that one then runs directly."""
+    path, ref_path = MODELS["dense"]
+    prompts = _prompts(get_ref(ref_path))[:1]
+    eager = load_model(fixture_path(path))
+    fast = load_model(fixture_path(path))
+    fast.compile_steps("compiled", background=False)
+    steps = fast._steps
+    for mode, k in (("off", 1), ("on", 2)):
+        assert _gen(fast, prompts, mode, k) == _gen(eager, prompts, mode, k), mode
+    assert steps.n_direct_calls > 0
+    assert steps.n_direct_calls == steps.n_compiled_calls - len(steps._entries)   # each kind's first call: dynamo
+    assert all(len(e) == 1 for e in steps._entries.values()), steps._entries
+
+    cache = ModelCache(fast.cfg, 1, 64)
+    tok = torch.tensor([prompts[0]])
+    fast.forward(tok, cache, logits="none")
+    snap = [b.clone() for b in cache.buffers()]
+    args = _main_args(fast, cache, tok[:, -1:], 0)
+
+    def once(via_dynamo: bool):
+        for b, v in zip(cache.buffers(), snap, strict=True):
+            b.copy_(v)
+        return steps._fns[key](fast, *args) if via_dynamo else steps.main(*args)
+
+    key = None
+    once(False)                      # the kind's first call (through dynamo)
+    key = next(k for k in steps._entries if k[0] == "main" and k[3] == "last")
+    direct = steps.n_direct_calls
+    got, want = once(False), once(True)
+    assert steps.n_direct_calls == direct + 1
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+    # a guard that fails (the thread count is part of dynamo's global state): no direct call, dynamo
+    # compiles the kind's second graph, and later calls run it directly
+    torch.set_num_threads(2)
+    try:
+        got = once(False)
+        assert steps.n_direct_calls == direct + 1 and len(steps._entries[key]) == 2
+        assert torch.equal(got[2], want[2])
+        once(False)
+        assert steps.n_direct_calls == direct + 2
+    finally:
+        torch.set_num_threads(1)
+    once(False)
+    assert steps.n_direct_calls == direct + 3
+
+
 def test_each_slot_class_is_a_kind_of_its_own_compiled_in_the_background():
     """Dynamo specialises the ints 0 and 1, so a graph traced for slot 0 does not serve slot 1 (nor a start
     of 0 or 1 one traced at a later position): such a call must not find the other's kind ready and retrace
