@@ -284,6 +284,7 @@ class CompiledSteps:
         self._closed = False
         # kind -> its graphs as `_guarded_entries` gives them, read after the kind's first call through dynamo
         self._entries: dict[tuple, list] = {}
+        self._direct = True                    # False once an entry's guards could not be checked here
         self.n_compiled_calls = 0
         self.n_direct_calls = 0                # compiled calls that ran an entry directly (its guards passed)
         self.n_eager_calls = 0                 # calls that ran eager because their kind was not ready
@@ -416,10 +417,16 @@ class CompiledSteps:
         dynamo would run), or None: then the call goes through dynamo, which recompiles where none passes.
         The frame the guards see is the step function's: `model` and the tuple `args`."""
         entries = self._entries.get(key)
-        if entries:
+        if entries and self._direct:
             frame = {"model": self.model, "args": args}
             for guards, run in entries:
-                if guards.check(frame):
+                try:
+                    passed = guards.check(frame)
+                except Exception as exc:   # guards that read more than this frame: dynamo runs every call
+                    log.info("compiled entries not checkable directly (%s): compiled calls go through dynamo", exc)
+                    self._direct = False
+                    return None
+                if passed:
                     self.n_direct_calls += 1
                     return run(self.model, *args)
         return None

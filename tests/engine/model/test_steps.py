@@ -253,6 +253,15 @@ def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
     once(False)
     assert steps.n_direct_calls == direct + 3
 
+    class Unreadable:                # guards that need more than the step's own frame
+        def check(self, frame):
+            raise KeyError("model")
+
+    steps._entries[key] = [(Unreadable(), None)]
+    got = once(False)                # through dynamo, and every later call too: nothing fails
+    assert steps._direct is False and steps.n_direct_calls == direct + 3
+    assert torch.equal(got[2], want[2]) and fast.steps_status[0] == "compiled"
+
 
 def test_each_slot_class_is_a_kind_of_its_own_compiled_in_the_background():
     """Dynamo specialises the ints 0 and 1, so a graph traced for slot 0 does not serve slot 1 (nor a start
