@@ -399,8 +399,11 @@ class CompiledSteps:
             out = self._run_entry(key, args)
             if out is None:
                 out = fn(self.model, *args)
-                # the graphs dynamo now holds (a first call, or a recompile: its guards had failed)
-                self._entries[key] = _guarded_entries(fn)
+                # the graphs dynamo now holds (a first call, or a recompile: its guards had failed); not read
+                # again where this torch gave none usable or they could not be checked
+                known = self._entries.get(key)
+                if self._direct and (known is None or known):
+                    self._entries[key] = _guarded_entries(fn)
             self._ready.add(key)
             self.n_compiled_calls += 1
             return out

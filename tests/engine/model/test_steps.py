@@ -232,7 +232,6 @@ def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
             b.copy_(v)
         return steps._fns[key](fast, *args) if via_dynamo else steps.main(*args)
 
-    key = None
     once(False)                      # the kind's first call (through dynamo)
     key = next(k for k in steps._entries if k[0] == "main" and k[3] == "last")
     direct = steps.n_direct_calls
