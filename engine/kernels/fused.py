@@ -34,6 +34,10 @@ _state: dict = {"mode": None, "reason": "", "compiled": {}}
 def dequant_view(t: T, p: dict[str, torch.Tensor]) -> torch.Tensor:
     """Packed parts of rows [N, ...blocks] -> float32 weights [N, K/32, 32] (one expression, so a
     compiler fuses it into the product; eagerly it is materialised for a slice of rows only)."""
+    if t == T.Q8_0 and "qw" in p:   # the words layout (PackedWeight.as_words): element 8j + i of a block
+        wi = p["qw"].view(torch.int32)                                          # [N, K/32, 8]
+        q = torch.stack([(wi << (24 - 8 * j)) >> 24 for j in range(4)], dim=-2)  # [N, K/32, 4, 8]
+        return q.flatten(-2).float() * p["d"].float()
     if t == T.Q8_0:   # qs [N, K/32, 32] int8, d [N, K/32, 1] f16
         return p["qs"].float() * p["d"].float()
     if t == T.Q4_K:   # qs [N, K/256, 4, 32] bytes (low nibble: sub-block 2c, high: 2c+1), d/dmin [N, K/256, 1]
@@ -82,13 +86,45 @@ def dequant_gathered(t: T, p: dict[str, torch.Tensor], idx: torch.Tensor) -> tor
 def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32, M small -> [M, N]: one reduction per row over the same dequantized view,
     so a compiler fuses them into one pass over the weight."""
-    w = dequant_view(t, {n: parts[i] for i, n in enumerate(_PART_NAMES[t])})  # [N, K/32, 32]
+    p = _parts_dict(t, parts)
+    if "qw" in p:
+        return _q8_0_words_product(x, p["qw"], p["d"])
+    w = dequant_view(t, p)  # [N, K/32, 32]
     g = w.shape[-1]
     return torch.stack([(w * x[m].view(1, -1, g)).sum((-1, -2)) for m in range(x.shape[0])], dim=0)
 
 
+def _q8_0_words_product(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """small_m_product of a Q8_0 weight in the words layout. Per block and row: the 4 bytes j of 8 words
+    are elements 8j..8j+7, so each multiplies 8 contiguous activations, and the block scale multiplies
+    their sum once. Inductor loads the words as float32 (full vector loads; a load of int8 or int32 lanes
+    went through a stack copy per vector on AVX2, ~10x slower) and shifts them as int32 lanes."""
+    wi = qw.view(torch.int32)                                   # [N, K/32, 8]
+    xv = x.view(x.shape[0], wi.shape[-2], 4, 8)                 # [M, K/32, j, i]: element 32b + 8j + i
+    rows = []
+    for m in range(x.shape[0]):
+        acc = None
+        for j in range(4):
+            term = ((wi << (24 - 8 * j)) >> 24).float() * xv[m, :, j]
+            acc = term if acc is None else acc + term
+        rows.append((acc * d).sum((-1, -2)))
+    return torch.stack(rows, dim=0)
+
+
 _PART_NAMES = {T.Q8_0: ("qs", "d"), T.Q4_K: ("qs", "d", "dmin", "sc", "mn"), T.Q6_K: ("ql", "qh", "sc", "d"),
                T.BF16: ("w",), T.F16: ("w",)}
+Q8_0_WORDS = ("qw", "d")   # a Q8_0 weight in the words layout (PackedWeight.as_words)
+
+
+def part_names(t: T, p: dict[str, torch.Tensor]) -> tuple[str, ...]:
+    """The names of a packed weight's parts in the order compiled functions take them."""
+    return Q8_0_WORDS if t == T.Q8_0 and "qw" in p else _PART_NAMES[t]
+
+
+def _parts_dict(t: T, parts: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """Positional parts -> names; a Q8_0 weight's words (float32) tell its layout from its quants (int8)."""
+    words = t == T.Q8_0 and parts[0].dtype == torch.float32
+    return dict(zip(Q8_0_WORDS if words else _PART_NAMES[t], parts, strict=True))
 
 
 def sliced_product(t: T, p: dict[str, torch.Tensor], x: torch.Tensor, dequant=None) -> torch.Tensor:
@@ -97,7 +133,7 @@ def sliced_product(t: T, p: dict[str, torch.Tensor], x: torch.Tensor, dequant=No
     n, k = next(iter(p.values())).shape[0], x.shape[-1]  # all parts lead with the N rows
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     step = max(1, SLICE_WEIGHTS // k)
-    names = _PART_NAMES[t]
+    names = part_names(t, p)
     for r0 in range(0, n, step):
         sl = {key: v[r0:r0 + step] for key, v in p.items()}
         w = (dequant_view(t, sl) if dequant is None else dequant(*(sl[m] for m in names))).reshape(-1, k)
@@ -185,7 +221,7 @@ def _compiled_dequant(t: T):
     fn = _state["compiled"].get(key)
     if fn is None:
         def dequant(*parts, _t=t):
-            return dequant_view(_t, dict(zip(_PART_NAMES[_t], parts, strict=True)))
+            return dequant_view(_t, _parts_dict(_t, parts))
         fn = torch.compile(_own_code(dequant, f"dequant_{t.name.lower()}"), fullgraph=True)
         _state["compiled"][key] = fn
     return fn
@@ -197,7 +233,7 @@ def matmul(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         # inside a compiled step (engine/model/steps.py): traced into the step's own graph
         if m <= SMALL_M:
-            return small_m_product(t, realized(x), *(p[n] for n in _PART_NAMES[t]))
+            return small_m_product(t, realized(x), *(p[n] for n in part_names(t, p)))
         return _many_rows_outside_graph(t, p, x)
     if m <= SMALL_M:
         mode, _ = status()
@@ -205,7 +241,7 @@ def matmul(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             bucket = next(b for b in _M_BUCKETS if b >= m)
             xb = x if bucket == m else torch.cat([x, x.new_zeros(bucket - m, x.shape[1])])
             try:
-                y = _compiled(t, bucket)(xb.contiguous(), *(p[n] for n in _PART_NAMES[t]))
+                y = _compiled(t, bucket)(xb.contiguous(), *(p[n] for n in part_names(t, p)))
                 return y if bucket == m else y[:m]
             except Exception as exc:  # no working toolchain at run time: same math, eagerly
                 _fall_back(exc)

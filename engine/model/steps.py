@@ -541,4 +541,4 @@ class CompiledSteps:
         if self._closed:        # interpreter shutdown stopped a compilation: nothing to report
             return
         self._failed = f"torch.compile failed ({type(exc).__name__}: {str(exc)[:200]})"
-        log.warning("compiled steps unavailable, using the eager path: %s", exc)
+        log.warning("compiled steps unavailable, using the eager path: %s", exc, exc_info=exc)

@@ -62,6 +62,40 @@ def test_packed_product_matches_dense_reference(kernels, t):
     assert ((t, "dequant") in fused._state["compiled"]) == (kernels == "compiled")
 
 
+@pytest.mark.parametrize("kernels", ["eager", "compiled"], indirect=True)
+def test_q8_0_words_layout_is_the_same_weight(kernels):
+    """`PackedWeight.as_words` (the draft weights' Q8_0 copies): the same quants, reordered into 32-bit
+    words, dequantize exactly to the file's weight; products (one and several rows, eager, compiled on
+    their own and traced into a compiled step's graph) agree with the dense reference; other types and
+    a weight already in the layout stay as they are."""
+    from engine.model import layers
+
+    pw, ref = _weight(T.Q8_0, 320, 512)
+    ww = pw.as_words()
+    assert set(ww.parts) == {"qw", "d"} and ww.parts["qw"].shape == (320, 16, 8) and ww.nbytes == pw.nbytes
+    assert ww.as_words() is ww and _weight(T.Q4_K, 32, 256)[0].as_words().ggml_type == T.Q4_K
+    # byte j of word i of a block is element 8j + i
+    qs = pw.parts["qs"].reshape(320, 16, 4, 8)
+    assert torch.equal(ww.parts["qw"].view(torch.int8).reshape(320, 16, 8, 4), qs.transpose(-1, -2))
+    assert torch.equal(ww.dense(), ref)
+    assert torch.equal(ww[torch.tensor([[5, 9]])][0, 1], ref[9])
+    assert torch.equal(ww.first_rows(37).dense(), ref[:37])
+    for m in (1, 3, 20):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        y, r = ww.matmul(x), x @ ref.T
+        assert ((y - r).abs().max() / r.abs().max()) < 1e-5, (kernels, m)
+    if kernels == "compiled":
+        def step(x):
+            layers.set_row_products(True)
+            try:
+                return ww.matmul(x)
+            finally:
+                layers.set_row_products(False)
+        x = torch.randn(1, 5, 512, generator=torch.Generator().manual_seed(7))
+        y, r = torch.compile(step, dynamic=False, fullgraph=True)(x), x @ ref.T
+        assert ((y - r).abs().max() / r.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
 def test_a_trace_in_another_thread_does_not_turn_compiled_kernels_off(kernels, monkeypatch):
     """torch.fx's tracing flag is process-wide, and a compiled function called while it is set raises
