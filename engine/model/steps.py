@@ -121,7 +121,18 @@ def choose(mode: str, device: torch.device | str) -> tuple[str, str]:
     cxx = _cxx()
     if cxx is None:
         return _unavailable(mode, "no C++ compiler on PATH (torch.compile's CPU backend needs one)")
-    return "compiled", f"torch.compile (inductor C++) with {cxx}"
+    return "compiled", f"torch.compile (inductor C++, {_vec_isa()} vectors) with {cxx}"
+
+
+def _vec_isa() -> str:
+    """The vector instructions inductor's C++ uses on this CPU (what the CPU reports, not its model: a
+    virtual machine can hide AVX-512 from a CPU that has it, and its kernels then run at half the width)."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        isa = str(pick_vec_isa() or "").upper()
+    except Exception:   # a torch without this helper: the path still works, the width is just not named
+        return "unknown"
+    return isa or "no SIMD"
 
 
 def min_packed(mode: str, device: torch.device | str) -> int | None:
