@@ -435,12 +435,22 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in):
         model.mtp_forward(toks, out.hidden, cache, [0], logits="none")
         model.draft_chain(torch.tensor([[6]]), out.hidden[:, -1:], cache, [0], 3)
     assert any(key[0] == "chain" for key in model._steps._ready) and traced_in
-    int8 = [n.meta["example_value"] for gm, _ in traced_in for n in gm.graph.nodes
-            if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
-            and n.meta["example_value"].dtype == torch.int8]
+    # the copies' quants: int8 blocks, or the words layout's [N, K/32, 8] float32 (PackedWeight.as_words)
+    assert all("qw" in h.parts for h in model.draft_heads())
+
+    rows = {w.shape[0] for mod in model.draft_modules() for w in vars(mod).values() if isinstance(w, PackedWeight)}
+    rows |= {h.shape[0] for h in model.draft_heads()}
+
+    def quants(t: torch.Tensor) -> bool:      # activations lead with the batch (1), a weight's parts with N
+        first = t.shape[0]
+        return t.dtype == torch.int8 or (t.dtype == torch.float32 and t.dim() == 3 and isinstance(first, int)
+                                         and first in rows - {1})
+    parts = [n.meta["example_value"] for gm, _ in traced_in for n in gm.graph.nodes
+             if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+             and quants(n.meta["example_value"])]
     head_rows = model.draft_heads()[0].shape[0]
-    assert any(t.shape[0] == head_rows for t in int8), [tuple(t.shape) for t in int8]
-    symbolic = [tuple(t.shape) for t in int8 if not all(isinstance(d, int) for d in t.shape)]
+    assert any(t.shape[0] == head_rows and t.shape[-1] == 8 for t in parts), [tuple(t.shape) for t in parts]
+    symbolic = [tuple(t.shape) for t in parts if not all(isinstance(d, int) for d in t.shape)]
     assert not symbolic, symbolic
 
 
