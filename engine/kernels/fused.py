@@ -36,7 +36,7 @@ def dequant_view(t: T, p: dict[str, torch.Tensor]) -> torch.Tensor:
     compiler fuses it into the product; eagerly it is materialised for a slice of rows only)."""
     if t == T.Q8_0 and "qw" in p:   # the words layout (PackedWeight.as_words): element 8j + i of a block
         wi = p["qw"].view(torch.int32)                                          # [N, K/32, 8]
-        q = torch.stack([(wi << (24 - 8 * j)) >> 24 for j in range(4)], dim=-2)  # [N, K/32, 4, 8]
+        q = torch.stack([_word_byte(wi, j) for j in range(4)], dim=-2)           # [N, K/32, 4, 8]
         return q.flatten(-2).float() * p["d"].float()
     if t == T.Q8_0:   # qs [N, K/32, 32] int8, d [N, K/32, 1] f16
         return p["qs"].float() * p["d"].float()
@@ -105,10 +105,15 @@ def _q8_0_words_product(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> t
     for m in range(x.shape[0]):
         acc = None
         for j in range(4):
-            term = ((wi << (24 - 8 * j)) >> 24).float() * xv[m, :, j]
+            term = _word_byte(wi, j).float() * xv[m, :, j]
             acc = term if acc is None else acc + term
         rows.append((acc * d).sum((-1, -2)))
     return torch.stack(rows, dim=0)
+
+
+def _word_byte(wi: torch.Tensor, j: int) -> torch.Tensor:
+    """Byte j (0 = lowest) of each int32 word, sign-extended: the words layout's quants 8j..8j+7 of a block."""
+    return (wi << (24 - 8 * j)) >> 24
 
 
 _PART_NAMES = {T.Q8_0: ("qs", "d"), T.Q4_K: ("qs", "d", "dmin", "sc", "mn"), T.Q6_K: ("ql", "qh", "sc", "d"),
