@@ -17,6 +17,8 @@ import threading
 import torch
 from gguf import GGMLQuantizationType as T
 
+from engine.kernels import codegen
+
 log = logging.getLogger(__name__)
 
 SMALL_M = 8                 # rows up to which the fused reduction runs (decode + verify of ≤ 7 drafts)
@@ -170,6 +172,13 @@ def status() -> tuple[str, str]:
         return _state["mode"], _state["reason"]
 
 
+def prepare() -> None:
+    """Before anything is traced: inductor's realize operator looked up, its partial byte loads made direct
+    on AVX2 (engine.kernels.codegen)."""
+    load_realize()
+    codegen.install()
+
+
 def load_realize() -> None:
     """Look up inductor's realize operator once (importing it registers it), before any tracing."""
     global realize
@@ -212,7 +221,7 @@ def _compiled(t: T, m: int):
     if fn is None:
         def product(x, *parts, _t=t):
             return small_m_product(_t, x, *parts)
-        load_realize()
+        prepare()
         fn = torch.compile(_own_code(product, f"packed_{t.name.lower()}_m{m}"), dynamic=True, fullgraph=True)
         _state["compiled"][key] = fn
     return fn
@@ -227,6 +236,7 @@ def _compiled_dequant(t: T):
     if fn is None:
         def dequant(*parts, _t=t):
             return dequant_view(_t, _parts_dict(_t, parts))
+        prepare()
         fn = torch.compile(_own_code(dequant, f"dequant_{t.name.lower()}"), fullgraph=True)
         _state["compiled"][key] = fn
     return fn

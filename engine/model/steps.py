@@ -277,7 +277,7 @@ class CompiledSteps:
 
     def __init__(self, model, why: str, *, background: bool = True):
         _dynamo_settings()
-        fused.load_realize()
+        fused.prepare()
         _fx_trace_once()
         _weights_static(model)
         self.model, self.why, self.background = model, why, background
