@@ -270,3 +270,66 @@ def test_q8_0_copy_of_a_float_weight_is_ggml_s_bytes():
     with pytest.raises(ValueError, match="multiple of 32"):
         PackedWeight.q8_0_of("w", w[:, :40])
 
+
+
+# -- inductor's partial byte loads (engine/kernels/codegen.py) ----------------------------------------
+
+def test_byte_load_rewrites_only_partial_loads_of_8_or_16_bytes():
+    from engine.kernels.codegen import byte_load
+    addr = "in_ptr0 + static_cast<int64_t>(x2 + 34L*x1)"
+    eight = byte_load(f"at::vec::Vectorized<int8_t>::loadu({addr}, static_cast<int64_t>(8))")
+    assert eight == ("at::vec::Vectorized<int8_t>(_mm256_inserti128_si256(_mm256_set1_epi8(1), _mm_or_si128("
+                     f"_mm_loadl_epi64(reinterpret_cast<const __m128i*>({addr})), "
+                     "_mm_set_epi64x(0x0101010101010101LL, 0)), 0))")
+    sixteen = byte_load(f"at::vec::Vectorized<uint8_t>::loadu({addr}, 16)")
+    assert sixteen == ("at::vec::Vectorized<uint8_t>(_mm256_inserti128_si256(_mm256_set1_epi8(1), "
+                       f"_mm_loadu_si128(reinterpret_cast<const __m128i*>({addr})), 0))")
+    for other in (f"at::vec::Vectorized<float>::loadu({addr}, static_cast<int64_t>(8))",       # not bytes
+                  f"at::vec::Vectorized<int8_t>::loadu({addr}, static_cast<int64_t>(4))",       # other counts
+                  f"at::vec::Vectorized<int8_t>::loadu({addr}, static_cast<int64_t>(ks1 + (-8L)*x))",
+                  f"at::vec::Vectorized<int8_t>::loadu({addr}, static_cast<int64_t>(32))",
+                  f"at::vec::Vectorized<int32_t>::loadu({addr}, static_cast<int64_t>(8))",
+                  f"at::vec::VecMask<float,1>::from({addr})"):
+        assert byte_load(other) is None, other
+
+
+def _product_code(t: T, x: torch.Tensor, pw: PackedWeight) -> tuple[torch.Tensor, str]:
+    from torch._inductor.utils import run_and_get_code
+
+    def product(x, *parts):
+        return fused.small_m_product(t, x, *parts)
+    fn = torch.compile(product, dynamic=False, fullgraph=True)
+    y, code = run_and_get_code(fn, x, *(pw.parts[n] for n in fused.part_names(t, pw.parts)))
+    return y, "\n".join(code)
+
+
+@pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
+def test_compiled_products_load_bytes_directly_on_avx2(kernels):
+    """Where inductor generates AVX2 code, a compiled product's quant loads are direct (no ATen partial load of
+    8 or 16 bytes left) and its result is the one ATen's loads give: the same kernel both ways, bit for bit."""
+    from engine.kernels import codegen
+    if fused.status()[0] != "compiled" or not codegen.avx2():
+        pytest.skip("inductor does not generate AVX2 code here (AVX-512 loads bytes with masks)")
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    ats = []
+    try:
+        for t in (T.Q8_0, T.Q4_K, T.Q6_K):
+            pw, ref = _weight(t, 64, 512, seed=4)
+            codegen.uninstall()
+            torch._dynamo.reset()
+            y_aten, code_aten = _product_code(t, x, pw)
+            assert codegen.install()
+            torch._dynamo.reset()
+            y, code = _product_code(t, x, pw)
+            partial = [ln for ln in code.splitlines() if "int8_t>::loadu(" in ln and codegen.byte_load(
+                ln.split("= ", 1)[-1].rstrip(";").strip())]
+            assert not partial, (t.name, partial[:2])
+            assert "_mm256_inserti128_si256(_mm256_set1_epi8(1)" in code, t.name
+            ats.append("int8_t>::loadu(" in code_aten)
+            assert torch.equal(y, y_aten), t.name
+            r = x @ ref.T
+            assert ((y - r).abs().max() / r.abs().max()) < 1e-5, t.name
+    finally:
+        codegen.install()
+        torch._dynamo.reset()
+    assert all(ats)        # without the rewrite, each type's kernel had ATen's partial loads
