@@ -16,6 +16,7 @@ kernels generated before it are not reused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -48,6 +49,7 @@ def byte_load(line: str) -> str | None:
     return f"{vec}(_mm256_inserti128_si256(_mm256_set1_epi8(1), {low}, 0))"
 
 
+@functools.cache
 def avx2() -> bool:
     """Whether inductor generates AVX2 code here (its C++ vectors 8 floats wide)."""
     try:

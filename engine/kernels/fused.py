@@ -29,6 +29,8 @@ _lock = threading.Lock()
 # where this torch lacks it): compiled weight reductions read their activations through it
 realize = None
 _state: dict = {"mode": None, "reason": "", "compiled": {}}
+# Q8_0 products of a file's blocks sum 4 groups of 8 per block (_q8_0_groups_product): set by `prepare`
+_q8_0_groups = False
 
 
 # -- the math, once -------------------------------------------------------------------------------
@@ -43,19 +45,25 @@ def dequant_view(t: T, p: dict[str, torch.Tensor]) -> torch.Tensor:
     if t == T.Q8_0:   # qs [N, K/32, 32] int8, d [N, K/32, 1] f16
         return p["qs"].float() * p["d"].float()
     if t == T.Q4_K:   # qs [N, K/256, 4, 32] bytes (low nibble: sub-block 2c, high: 2c+1), d/dmin [N, K/256, 1]
-        qs, n = p["qs"], p["qs"].shape[0]
-        shifts = torch.tensor([0, 4], dtype=torch.uint8, device=qs.device).view(2, 1)
-        q = ((qs.unsqueeze(-2) >> shifts) & 15).reshape(n, -1, 8, 32)            # [N, K/256, 8, 32]
-        s1 = (p["d"].float() * p["sc"].float()).unsqueeze(-1)                    # d·sc per sub-block
+        # nibbles by masks, no shifts (CPUs have no 8-bit vector shift; ATen emulates one with shuffles):
+        # a high nibble stays 16x its value, and its sub-block's scale takes the 1/16 (exact: powers of 2)
+        qs, n, dev = p["qs"], p["qs"].shape[0], p["qs"].device
+        masks = torch.tensor([15, 240], dtype=torch.uint8, device=dev).view(2, 1)
+        q = (qs.unsqueeze(-2) & masks).reshape(n, -1, 8, 32)                     # [N, K/256, 8, 32]
+        unit = torch.tensor([1.0, 1 / 16] * 4, device=dev).view(8)                 # sub-blocks 2c, 2c+1
+        s1 = (p["d"].float() * p["sc"].float() * unit).unsqueeze(-1)             # d·sc per sub-block
         m1 = (p["dmin"].float() * p["mn"].float()).unsqueeze(-1)                 # dmin·m per sub-block
         return (s1 * q.float() - m1).reshape(n, -1, 32)
     if t == T.Q6_K:   # ql [N, K/256, half, j&1, 32], qh [N, K/256, half, 32], sc [N, K/256, half, j, 2] int8
-        ql, qh, n = p["ql"], p["qh"], p["ql"].shape[0]
-        s4 = torch.tensor([0, 4], dtype=torch.uint8, device=ql.device).view(2, 1, 1)
-        s2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=ql.device).view(4, 1)
-        lo = ((ql.unsqueeze(-3) >> s4) & 15).flatten(-3, -2)                     # [N, B, half, 4, 32]
-        hi = (qh.unsqueeze(-2) >> s2) & 3                                       # [N, B, half, 4, 32]
-        q = (lo | (hi << 4)).float() - 32                                       # element 128h + 32j + l
+        # bit fields by masks and exact power-of-2 factors, no 8-bit shifts (see Q4_K)
+        ql, qh, n, dev = p["ql"], p["qh"], p["ql"].shape[0], p["ql"].device
+        m4 = torch.tensor([15, 240], dtype=torch.uint8, device=dev).view(2, 1, 1)
+        f4 = torch.tensor([1.0, 1 / 16], device=dev).view(2, 1, 1)
+        m2 = torch.tensor([3, 12, 48, 192], dtype=torch.uint8, device=dev).view(4, 1)
+        f2 = torch.tensor([16.0, 4.0, 1.0, 0.25], device=dev).view(4, 1)        # bits 2s..2s+1 -> value << 4
+        lo = ((ql.unsqueeze(-3) & m4).float() * f4).flatten(-3, -2)             # [N, B, half, 4, 32]
+        hi = (qh.unsqueeze(-2) & m2).float() * f2                               # [N, B, half, 4, 32]
+        q = lo + hi - 32                                                        # element 128h + 32j + l
         sc = (p["d"].float().view(n, -1, 1, 1, 1) * p["sc"].float()).unsqueeze(-1)  # [N, B, half, 4, 2, 1]
         return (sc * q.view(*q.shape[:-1], 2, 16)).reshape(n, -1, 32)
     if t in (T.BF16, T.F16):
@@ -91,23 +99,31 @@ def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor
     p = _parts_dict(t, parts)
     if "qw" in p:
         return _q8_0_words_product(x, p["qw"], p["d"])
+    if t == T.Q8_0 and _q8_0_groups:   # AVX2 (measured there); AVX-512's 16 lanes would span two blocks' scales
+        qs = p["qs"]
+        return _q8_0_groups_product(x, lambda j: qs[..., 8 * j:8 * j + 8], p["d"])
     w = dequant_view(t, p)  # [N, K/32, 32]
     g = w.shape[-1]
     return torch.stack([(w * x[m].view(1, -1, g)).sum((-1, -2)) for m in range(x.shape[0])], dim=0)
 
 
 def _q8_0_words_product(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """small_m_product of a Q8_0 weight in the words layout. Per block and row: the 4 bytes j of 8 words
-    are elements 8j..8j+7, so each multiplies 8 contiguous activations, and the block scale multiplies
-    their sum once. Inductor loads the words as float32 (full vector loads; a load of int8 or int32 lanes
-    went through a stack copy per vector on AVX2, ~10x slower) and shifts them as int32 lanes."""
+    """small_m_product of a Q8_0 weight in the words layout: the 4 bytes j of a block's 8 words are its
+    elements 8j..8j+7. Inductor loads the words as float32 (full vector loads) and shifts them as int32 lanes."""
     wi = qw.view(torch.int32)                                   # [N, K/32, 8]
-    xv = x.view(x.shape[0], wi.shape[-2], 4, 8)                 # [M, K/32, j, i]: element 32b + 8j + i
+    return _q8_0_groups_product(x, lambda j: _word_byte(wi, j), d)
+
+
+def _q8_0_groups_product(x: torch.Tensor, group, d: torch.Tensor) -> torch.Tensor:
+    """small_m_product of a Q8_0 weight whose elements 8j..8j+7 of every block are `group(j)` [N, K/32, 8]:
+    each group multiplies 8 contiguous activations, and the block scale multiplies the 4 groups' sum once,
+    in a reduction whose vectors of 8 lanes each hold one block (no horizontal sum per block)."""
+    xv = x.view(x.shape[0], d.shape[-2], 4, 8)                  # [M, K/32, j, i]: element 32b + 8j + i
     rows = []
     for m in range(x.shape[0]):
         acc = None
         for j in range(4):
-            term = _word_byte(wi, j).float() * xv[m, :, j]
+            term = group(j).float() * xv[m, :, j]
             acc = term if acc is None else acc + term
         rows.append((acc * d).sum((-1, -2)))
     return torch.stack(rows, dim=0)
@@ -174,9 +190,12 @@ def status() -> tuple[str, str]:
 
 def prepare() -> None:
     """Before anything is traced: inductor's realize operator looked up, its partial byte loads made direct
-    on AVX2 (engine.kernels.codegen)."""
+    on AVX2 (engine.kernels.codegen), the Q8_0 product chosen (a traced function must not ask: dynamo
+    cannot trace inductor's ISA probe, and a full graph that breaks falls back to eager kernels)."""
+    global _q8_0_groups
     load_realize()
     codegen.install()
+    _q8_0_groups = codegen.avx2()
 
 
 def load_realize() -> None:

@@ -600,8 +600,11 @@ def _q8_0_weight(name: str, w):
     src = w.parts["w"] if packed else w            # 16-bit rows as they are: q8_0_of widens a slice at a time
     if src.dim() != 2 or src.shape[1] % 32:
         return w
-    # our own copy, so in the layout compiled CPU products read fastest (PackedWeight.as_words)
-    return PackedWeight.q8_0_of(name, src).as_words()
+    # our own copy, so where compiled kernels run AVX2 code in the layout they read fastest
+    # (PackedWeight.as_words; not measured with AVX-512, whose 16 lanes would span two blocks' scales)
+    from engine.kernels import codegen
+    q8 = PackedWeight.q8_0_of(name, src)
+    return q8.as_words() if codegen.avx2() else q8
 
 
 def _q8_0_twin(mod: nn.Module, name: str = "") -> nn.Module:

@@ -12,6 +12,7 @@ import torch
 
 import engine.model.steps as steps_mod
 from engine.errors import InputError
+from engine.kernels import codegen
 from engine.model import ModelCache, load_model
 from engine.spec.decode import SpecDecoder, SpecOptions
 from engine.spec.stops import StopRule
@@ -436,7 +437,7 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in):
         model.draft_chain(torch.tensor([[6]]), out.hidden[:, -1:], cache, [0], 3)
     assert any(key[0] == "chain" for key in model._steps._ready) and traced_in
     # the copies' quants: int8 blocks, or the words layout's [N, K/32, 8] float32 (PackedWeight.as_words)
-    assert all("qw" in h.parts for h in model.draft_heads())
+    assert all(("qw" if codegen.avx2() else "qs") in h.parts for h in model.draft_heads())
 
     rows = {w.shape[0] for mod in model.draft_modules() for w in vars(mod).values() if isinstance(w, PackedWeight)}
     rows |= {h.shape[0] for h in model.draft_heads()}

@@ -96,6 +96,20 @@ def test_q8_0_words_layout_is_the_same_weight(kernels):
         assert ((y - r).abs().max() / r.abs().max()) < 1e-5
 
 
+@pytest.mark.parametrize("avx2", [True, False])
+def test_q8_0_products_by_groups_of_8_match_the_dense_reference(avx2, monkeypatch):
+    """Where compiled kernels run AVX2 code a Q8_0 product of the file's blocks sums 4 groups of 8 elements per
+    block and scales the sum once (fused._q8_0_groups_product), else it dequantizes each element; the math
+    is torch expressions whatever the CPU, so both are checked here, on every row count of a verification."""
+    monkeypatch.setattr(fused, "_q8_0_groups", avx2)
+    pw, ref = _weight(T.Q8_0, 96, 512, seed=5)
+    parts = [pw.parts[n] for n in fused.part_names(T.Q8_0, pw.parts)]
+    for m in (1, 2, 5, 8):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        y, r = fused.small_m_product(T.Q8_0, x, *parts), x @ ref.T
+        assert ((y - r).abs().max() / r.abs().max()) < 1e-5, (avx2, m)
+
+
 @pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
 def test_a_trace_in_another_thread_does_not_turn_compiled_kernels_off(kernels, monkeypatch):
     """torch.fx's tracing flag is process-wide, and a compiled function called while it is set raises
@@ -269,7 +283,6 @@ def test_q8_0_copy_of_a_float_weight_is_ggml_s_bytes():
     torch.testing.assert_close(pw.matmul(x), x @ ref.dense().T, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="multiple of 32"):
         PackedWeight.q8_0_of("w", w[:, :40])
-
 
 
 # -- inductor's partial byte loads (engine/kernels/codegen.py) ----------------------------------------
