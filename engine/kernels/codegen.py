@@ -4,9 +4,9 @@ A compiled product of a quantized weight converts 8 or 16 packed bytes at a time
 Inductor writes that as `Vectorized<int8_t>::loadu(ptr, 8)` (or `<uint8_t>`, or 16), and on AVX2 ATen
 serves such a partial load by filling a 32-byte stack buffer with 1s, copying the bytes over it with
 `memcpy` and loading the buffer back: the reload waits on the narrower stores (no store forwarding),
-every time. A Q8_0 product of 2048 x 1024 weights, one row, one thread, ran 3.4 ms that way against
-0.34 ms with a direct load, 0.19 ms for the float32 GEMV (AMD EPYC with AVX-512 hidden by its VM; Q4_K
-2.9 -> 0.77 ms, Q6_K 4.5 -> 1.6 ms). AVX-512 builds use masked loads and are not affected.
+every time. A Q8_0 product of 2048 x 1024 weights, one row, one thread, ran 3.4-3.5 ms that way against
+0.36-0.38 ms with direct loads, 0.19 ms for the float32 GEMV (AMD EPYC with AVX-512 hidden by its VM; Q4_K
+2.9 -> 0.75 ms, Q6_K 4.6 -> 1.6 ms). AVX-512 builds use masked loads and are not affected.
 
 `install()` rewrites exactly those load lines into an SSE load of the 8 or 16 bytes placed in the low lanes
 of a vector whose other lanes are 1: the same value ATen's copy builds, with no store in between. It
