@@ -17,7 +17,6 @@ kernels generated before it are not reused.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import re
@@ -29,6 +28,9 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _installed: dict = {}
+# part of inductor's graph-cache key while the rewrite is installed: raise it whenever `byte_load` writes
+# different code, so that kernels cached with the older form are not reused
+REWRITE_VERSION = 1
 
 # `at::vec::Vectorized<int8_t>::loadu(<address>, 8)`, the count written as `8`, `8L` or `static_cast<int64_t>(8)`
 _PARTIAL_BYTE_LOAD = re.compile(
@@ -95,7 +97,7 @@ def install() -> bool:
                 return None
 
             def uuid(self) -> str:
-                return "mtpchat-byte-loads-" + _SOURCE_HASH
+                return f"mtpchat-byte-loads-{REWRITE_VERSION}"
 
         cpp.CppVecKernel._get_vec_load_line = load_line
         config.post_grad_custom_post_pass = _CacheKey()
@@ -114,7 +116,3 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return "original" in _installed
-
-
-with open(__file__, "rb") as _f:
-    _SOURCE_HASH = hashlib.sha256(_f.read()).hexdigest()[:16]
