@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import fused
 from engine.model.layers import Linear, RMSNorm, apply_rope, in_row_products_graph
 
 
@@ -24,16 +25,21 @@ class KVView:
     not write its key and value into the cache: it appends them to `local` and attends to the cache's
     first n_keys rows plus every local row. The chain's steps 2..k are dropped after the round anyway,
     and inside one compiled graph k successive writes into the same buffer were not done in place:
-    the chain rewrote the whole buffer (n_ctx rows) once per round."""
+    the chain rewrote the whole buffer (n_ctx rows) once per round.
 
-    __slots__ = ("k", "v", "slot_idx", "positions", "n_keys", "single", "local")
+    stored: the rows' keys and values are in the cache already (`GatedAttention.write_kv` wrote them with
+    rows before them): the block only attends. A second write into the buffer of one compiled graph is a
+    copy of the whole buffer (see `Qwen35Model._mtp`'s `queued`)."""
+
+    __slots__ = ("k", "v", "slot_idx", "positions", "n_keys", "single", "local", "stored")
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, slot_idx: torch.Tensor, positions: torch.Tensor,
                  n_keys: int, single: tuple[int, int] | None = None,
-                 local: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None):
+                 local: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None, stored: bool = False):
         self.k, self.v, self.slot_idx, self.positions, self.n_keys = k, v, slot_idx, positions, n_keys
         self.single = single    # (slot, first position) when B == 1: plain slices instead of gathers
         self.local = local
+        self.stored = stored
 
 
 class GatedAttention(nn.Module):
@@ -59,7 +65,8 @@ class GatedAttention(nn.Module):
         qg = self.attn_q(a).reshape(B, T, H, 2 * D)     # per head: D query dims, then D gate dims
         q, gate = qg[..., :D], qg[..., D:].reshape(B, T, H * D)
         q = apply_rope(self.attn_q_norm(q), cos, sin)
-        k, v = self._key_value(a, cos, sin)
+        stored = kv is not None and kv.stored
+        k, v = (None, None) if stored else self._key_value(a, cos, sin)
         cdt = self.attn_q.weight.dtype
         if kv is None:
             o = F.scaled_dot_product_attention(
@@ -68,7 +75,8 @@ class GatedAttention(nn.Module):
         elif kv.local is not None:
             o = self._attend_local(q.to(cdt), k, v, kv)
         else:
-            self._store(k, v, kv)
+            if not stored:
+                self._store(k, v, kv)
             if kv.single is not None:                          # one row: views, no gather
                 s = kv.single[0]
                 keys, vals = kv.k[s:s + 1, :kv.n_keys], kv.v[s:s + 1, :kv.n_keys]
@@ -125,7 +133,8 @@ class GatedAttention(nn.Module):
         s = _scores(q, keys, self.scale)                                            # [B, Hkv, g, T, L]
         if mask is not None:
             s = s.masked_fill(~mask[:, :, None], float("-inf"))
-        return _weighted(torch.softmax(s, dim=-1), vals).reshape(B, H, T, D)
+        e = _exp_scores(s)
+        return (_weighted(e, vals) / e.sum(-1, keepdim=True)).reshape(B, H, T, D)
 
     def _attend_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVView) -> torch.Tensor:
         """One query row per sequence (q [B, 1, H, D]) over the cache's first n_keys rows and the chain's
@@ -157,9 +166,9 @@ class GatedAttention(nn.Module):
             sl = _scores(q, kl, self.scale)                                         # [B, Hkv, g, 1, J]
             if masked is not None:
                 sc = sc.masked_fill(masked[:, None, None, None, :], float("-inf"))
-            p = torch.softmax(torch.cat([sc, sl], dim=-1), dim=-1)
+            e = _exp_scores(torch.cat([sc, sl], dim=-1))
             L = kc.shape[1]
-            o = _weighted(p[..., :L], vc) + _weighted(p[..., L:], vl)              # [B, Hkv, g, 1, D]
+            o = (_weighted(e[..., :L], vc) + _weighted(e[..., L:], vl)) / e.sum(-1, keepdim=True)  # [B, Hkv, g, 1, D]
             return o.reshape(B, H, 1, D)
         qh = q.reshape(B, Hkv, g, D)                                                # T == 1
         sc = torch.matmul(qh, kc.to(cdt).permute(0, 2, 3, 1)) * self.scale         # [B, Hkv, g, L]
@@ -174,15 +183,31 @@ class GatedAttention(nn.Module):
 
 def _scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, T, H, D], keys [B, L, Hkv, D] -> q·k * scale [B, Hkv, g, T, L] (g = H / Hkv query heads per key
-    head, in the order of `scaled_dot_product_attention(enable_gqa=True)`), as a product and a sum over D."""
+    head, in the order of `scaled_dot_product_attention(enable_gqa=True)`), as one reduction over D per query
+    row (a query head at one position): inductor runs the g·T reductions of a key head in one loop over the
+    keys, each key loaded once for all of them, with an accumulator apiece."""
     B, T, H, D = q.shape
     Hkv = keys.shape[2]
-    qh = q.float().reshape(B, T, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)[..., None, :]  # [B, Hkv, g, T, 1, D]
-    kk = keys.float().permute(0, 2, 1, 3)[:, :, None, None]                              # [B, Hkv, 1, 1, L, D]
-    return (qh * kk).sum(-1) * scale
+    g = H // Hkv
+    qh = q.float().reshape(B, T, Hkv, g, D)
+    kk = keys.float().permute(0, 2, 1, 3)                                                # [B, Hkv, L, D]
+    rows = [(qh[:, t, :, i, None, :] * kk).sum(-1) for i in range(g) for t in range(T)]  # g·T of [B, Hkv, L]
+    return torch.stack(rows, dim=2).reshape(B, Hkv, g, T, -1) * scale
+
+
+def _exp_scores(s: torch.Tensor) -> torch.Tensor:
+    """exp(s - max s) over the last dim (softmax's numerators), written once: the weighted sum of the values
+    then divides by their sum once per row, not every term of it (a compiled graph inlined softmax's
+    division into the loop over the keys, one scalar division per key and 8 values)."""
+    return fused.realized((s - s.amax(-1, keepdim=True)).exp())
 
 
 def _weighted(p: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    """p [B, Hkv, g, T, L], vals [B, L, Hkv, D] -> sum over L of p·v [B, Hkv, g, T, D]."""
-    vv = vals.float().permute(0, 2, 1, 3)[:, :, None, None]                              # [B, Hkv, 1, 1, L, D]
-    return (p[..., None] * vv).sum(-2)
+    """p [B, Hkv, g, T, L], vals [B, L, Hkv, D] -> sum over L of p·v [B, Hkv, g, T, D], one reduction over the
+    keys per query row, so a compiled graph loads each value vector once for all g·T rows and keeps g·T
+    independent sums (one sum's chain of dependent adds over every key was the loop's bound)."""
+    B, Hkv, g, T, L = p.shape
+    vv = vals.float().permute(0, 2, 1, 3)                                                # [B, Hkv, L, D]
+    pr = p.reshape(B, Hkv, g * T, L)
+    rows = [(pr[:, :, r, :, None] * vv).sum(-2) for r in range(g * T)]                   # g·T of [B, Hkv, D]
+    return torch.stack(rows, dim=2).reshape(B, Hkv, g, T, -1)

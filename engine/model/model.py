@@ -365,13 +365,16 @@ class Qwen35Model(nn.Module):
         return MTPOutput(*res)
 
     def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None, vocab=None,
-             draft=False):
+             draft=False, queued=False):
         """The tensor work of `mtp_forward` -> (post-norm hidden, logits or None); (None, None) for a
         cache commit (a cache, logits 'none'), which computes only the rows' keys and values. local: a
         draft chain's scratch rows (see `KVView`): this step's KV row joins them instead of the cache.
         vocab: logits of the first `vocab` token ids only (a draft chain's `draft_vocab`).
         draft: a draft chain's step, which multiplies by the draft weights (`set_draft_weights`) except
-        where a row enters the cache: its input (eh_proj) and its keys and values stay exact there."""
+        where a row enters the cache: its input (eh_proj) and its keys and values stay exact there.
+        queued: rows [B, T > 1] of which only the last runs the block; the rows before it only enter the cache.
+        Every row's key and value is written in one store: inside a compiled graph, a second store into the
+        same cache buffer made it a copy of the whole buffer (n_ctx rows, keys and values) every round."""
         blk = self.blk[n]
         nx = blk.nextn
         twin = self._draft.get(n) if draft else None
@@ -387,6 +390,11 @@ class Qwen35Model(nn.Module):
             # values are all it keeps, and they depend on the block's input only
             blk.mixer.write_kv(blk.attn_norm(u), cos, sin, kv)
             return None, None
+        if queued:
+            blk.mixer.write_kv(blk.attn_norm(u), cos, sin, kv)
+            last = None if single is None else (single[0], single[1] + tokens.shape[1] - 1)
+            kv = KVView(kv.k, kv.v, slot_idx, positions[:, -1:], n_keys, last, stored=True)
+            u, cos, sin = u[:, -1:], cos[:, -1:], sin[:, -1:]
         if twin is not None:
             blk = twin.block          # the same norms, attn_k and attn_v; other matrices its copies
         u = u + blk.mixer(blk.attn_norm(u), cos, sin, kv)
@@ -439,17 +447,10 @@ class Qwen35Model(nn.Module):
         T = tokens.shape[1]
         V = self.draft_vocab                       # drafts among the first V token ids (None: all)
         n_cached = n_keys - k + 1                  # cache rows once step 1 has written its T rows
-        if cache is not None and T > 1:
-            # step 1's rows before the last (queued entries) only enter the cache: their keys and values,
-            # then the whole block for the last row, which attends to them
-            self._mtp(tokens[:, :-1], hidden[:, :-1], cache, slot_idx, positions[:, :T - 1], n_cached, single,
-                      "none", n)
-            last = None if single is None else (single[0], single[1] + T - 1)
-            hm, lg = self._mtp(tokens[:, -1:], hidden[:, -1:], cache, slot_idx, positions[:, T - 1:T], n_cached,
-                               last, "last", n, vocab=V, draft=True)
-        else:
-            hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n, vocab=V,
-                               draft=True)
+        # step 1's rows before the last (queued entries) only enter the cache (`queued`), then the whole block
+        # runs for the last row, which attends to them
+        hm, lg = self._mtp(tokens, hidden, cache, slot_idx, positions[:, :T], n_cached, single, "last", n, vocab=V,
+                           draft=True, queued=cache is not None and T > 1)
         tok = lg[:, -1:].argmax(dim=-1)
         hid = hm[:, -1:]
         drafts = [tok]

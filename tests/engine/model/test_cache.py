@@ -8,6 +8,7 @@ import torch
 
 from engine.kernels import codegen
 from engine.model import ModelCache, shift_hidden
+from engine.model.attention import GatedAttention
 from tests.engine.model.conftest import F32_MODELS, assert_close, get_model, get_ref
 
 TIGHT = {"atol": 2e-5, "rtol": 2e-5}   # same math, different batching / chunking
@@ -188,11 +189,12 @@ def test_mtp_cache_commit_computes_only_keys_and_values(model):
 
 
 @pytest.mark.parametrize("queued", [0, 3])
-def test_draft_chain_equals_step_by_step_drafting(model, queued):
+def test_draft_chain_equals_step_by_step_drafting(model, queued, monkeypatch):
     """`draft_chain` (one call, one compiled graph when enabled) drafts what k single MTP steps draft,
     with queued entries riding along in step 1, for two slots at different lengths (so steps 2..k
     mask each slot's own cache end); the MTP cache then holds step 1's rows, the same as the single
-    steps wrote, and steps 2..k wrote nothing (their rows are scratch)."""
+    steps wrote, in one store (a second store into a buffer made a compiled graph copy all of it), and
+    steps 2..k wrote nothing (their rows are scratch)."""
     k = 3
     caches = [ModelCache(model.cfg, 2, 64) for _ in range(2)]
     hid = {}
@@ -213,7 +215,12 @@ def test_draft_chain_equals_step_by_step_drafting(model, queued):
         mo = model.mtp_forward(tok, h, one, [0, 1], logits="last")
         tok, h = mo.logits[:, -1:].argmax(-1), mo.hidden
         want.append(tok)
+    stores = []
+    store = GatedAttention._store
+    monkeypatch.setattr(GatedAttention, "_store", staticmethod(lambda kk, vv, kv: (stores.append(kk.shape[1]),
+                                                                                    store(kk, vv, kv))))
     got, last = model.draft_chain(rows, rows_h, caches[1], [0, 1], k)
+    assert stores == [queued + 1]
     assert torch.equal(got, torch.cat(want, dim=1)) and got.shape == (2, k)
     assert torch.allclose(last, h, **TIGHT)
     assert caches[1].mtp_lengths == [n - (k - 1) for n in one.mtp_lengths]
