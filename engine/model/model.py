@@ -385,13 +385,13 @@ class Qwen35Model(nn.Module):
         emb = self.embed(tokens) if nx.embed_tokens is None else nx.embed_tokens.weight[tokens].float()
         u = (nx if twin is None or kept else twin.block.nextn).combine(emb, hidden)
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
-        if kept and logits == "none":
-            # a cache commit (prompt warm-up, plain-step sync, accepted drafts): the rows' keys and
-            # values are all it keeps, and they depend on the block's input only
+        if kept and (logits == "none" or queued):
+            # the rows' keys and values depend on the block's input only; for a cache commit (prompt warm-up,
+            # plain-step sync, accepted drafts) they are all it keeps
             blk.mixer.write_kv(blk.attn_norm(u), cos, sin, kv)
-            return None, None
+            if logits == "none":
+                return None, None
         if queued:
-            blk.mixer.write_kv(blk.attn_norm(u), cos, sin, kv)
             last = None if single is None else (single[0], single[1] + tokens.shape[1] - 1)
             kv = KVView(kv.k, kv.v, slot_idx, positions[:, -1:], n_keys, last, stored=True)
             u, cos, sin = u[:, -1:], cos[:, -1:], sin[:, -1:]
