@@ -110,6 +110,7 @@ class Qwen35Model(nn.Module):
         self.draft_weights = "exact"           # the weights a draft chain multiplies by (see set_draft_weights)
         self.wrong_drafts = False              # drafts returned as (argmax + 1) mod vocab (set_wrong_drafts)
         self._draft: dict[int, DraftTwin] = {}  # nextn block number -> its draft copy ('q8_0')
+        self._slot_idx: dict[tuple, torch.Tensor] = {}   # (slots, device) -> their index tensor (`_slots`)
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -239,7 +240,12 @@ class Qwen35Model(nn.Module):
         if max(starts) + T > cache.n_ctx:
             raise InputError(f"context: {max(starts) + T} tokens exceed the cache size n_ctx={cache.n_ctx}")
         dev = self.device
-        slot_idx = torch.tensor(slots, dtype=torch.long, device=dev)
+        # never written, so one tensor per slot list (a decode step or round made one each); an inference tensor
+        # is kept for inference mode only (outside it autograd may not save one)
+        key = (tuple(slots), dev, torch.is_inference_mode_enabled())
+        slot_idx = self._slot_idx.get(key)
+        if slot_idx is None:
+            slot_idx = self._slot_idx[key] = torch.tensor(slots, dtype=torch.long, device=dev)
         if B == 1:   # one op instead of three: every decode step and round of one sequence comes here
             positions = torch.arange(starts[0], starts[0] + T, dtype=torch.long, device=dev)[None]
         else:

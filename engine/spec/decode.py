@@ -112,8 +112,12 @@ class _Seq:
     stats: SpecStats = field(default_factory=SpecStats)
     pending: int = -1                  # s0: emitted, not yet in the main cache
     carry: torch.Tensor | None = None  # h(n-1) [E] for the MTP head
+    # after a round whose accepted drafts are all the queue: the queue's hidden rows and the carry as one view of
+    # the verification's rows (the next round's step-1 input, no copy); None once the queue or carry changes
+    round_rows: torch.Tensor | None = None
     uniforms: torch.Tensor | None = None  # [max_tokens] float64: the draw for generated token t
-    # plain-step MTP entries not yet written (spec §5.3, lazy form): tokens and their hidden rows h(q-1)
+    # MTP entries not yet written (spec §5.3, lazy form; plain steps' and a round's accepted drafts): tokens and
+    # their hidden rows h(q-1), as blocks [n, E] (a round's rows are one block, a view of its verification's)
     mtp_queue: list[int] = field(default_factory=list)
     mtp_queue_hidden: list[torch.Tensor] = field(default_factory=list)
     n_past: int = 0                    # committed tokens in the main cache
@@ -255,12 +259,13 @@ class SpecDecoder:
             if self.uses_mtp:
                 if self.opt.lazy_mtp_sync:
                     s.mtp_queue.append(s.pending)
-                    s.mtp_queue_hidden.append(s.carry)
+                    s.mtp_queue_hidden.append(s.carry[None])
                     if len(s.mtp_queue) >= MTP_QUEUE_MAX:
                         t1 = self.opt.clock()
                         self._flush_mtp(s)
                         s.decode_s += self.opt.clock() - t1
                 s.carry = h[i, 0].clone()
+                s.round_rows = None
             s.pending = nxt[i]
             s.checker.push(nxt[i])
             s.decode_s += dt
@@ -287,7 +292,6 @@ class SpecDecoder:
                 self._flush_mtp(s)
                 s.decode_s += self.opt.clock() - t
         t0 = self.opt.clock()
-        s0 = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=m.device)
         P = [s.n_past for s in seqs]
         # draft step 1 also writes the queued entries (plain steps, the last round's accepted drafts) in
         # the same MTP pass: rows [queue..., s0] with hidden [queue_hidden..., carry], head on the last
@@ -304,7 +308,8 @@ class SpecDecoder:
         for idx in by_len.values():
             x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] for i in idx], dtype=torch.long,
                              device=m.device)
-            hin = torch.stack([torch.stack(seqs[i].mtp_queue_hidden + [seqs[i].carry]) for i in idx])
+            hin = [self._queue_hidden(seqs[i], with_carry=True) for i in idx]
+            hin = hin[0][None] if len(hin) == 1 else torch.stack(hin)
             if fused:
                 d, out, targets = m.draft_and_verify(x, hin, cache, slots, k, chunk=opt.delta_chunk)
             else:
@@ -314,6 +319,7 @@ class SpecDecoder:
             for i in idx:
                 seqs[i].mtp_queue.clear()
                 seqs[i].mtp_queue_hidden.clear()
+                seqs[i].round_rows = None
         for s, p in zip(seqs, P, strict=True):
             cache.truncate_mtp(s.slot, p + 1)     # keep E(P) of step 1, drop the scratch entries
         if fused:
@@ -324,6 +330,7 @@ class SpecDecoder:
                 d = torch.stack([opt.draft_hook(s.slot, p, d[i]) for i, (s, p) in enumerate(zip(seqs, P, strict=True))])
             t1 = self.opt.clock()
             snaps = [cache.snapshot_gdn(s.slot) for s in seqs] if opt.rollback == "redecode" else None
+            s0 = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=m.device)
             rows = torch.cat([s0, d], dim=1)      # [B, k+1] at positions P..P+k
             out = m.forward(rows, cache, slots, logits="all", chunk=opt.delta_chunk,
                             gdn_steps=opt.rollback == "per_step")
@@ -383,10 +390,11 @@ class SpecDecoder:
                 # the entries ride along with the next round's draft step 1
                 if keep > 0 and opt.lazy_mtp_sync:
                     s.mtp_queue.extend(ids[:keep])
-                    s.mtp_queue_hidden.extend(h[i, :keep])
+                    s.mtp_queue_hidden.append(h[i, :keep])
                 elif keep > 0:
                     m.mtp_forward(d[i:i + 1, :keep], h[i:i + 1, :keep], cache, [s.slot], logits="none")
-                s.carry = h[i, keep].clone()
+                s.carry = h[i, keep]
+                s.round_rows = h[i, :keep + 1] if len(s.mtp_queue) == keep else None
             s.n_past = P[i] + keep + 1
             s.pending = ids[n_emit - 1]
         t3 = self.opt.clock()
@@ -402,14 +410,23 @@ class SpecDecoder:
             for s in self.seqs:
                 self._flush_mtp(s)
 
+    @staticmethod
+    def _queue_hidden(s: _Seq, with_carry: bool = False) -> torch.Tensor:
+        """The queued entries' hidden rows [n, E], then the carry's with_carry."""
+        if with_carry and s.round_rows is not None:
+            return s.round_rows
+        blocks = s.mtp_queue_hidden + [s.carry[None]] if with_carry else s.mtp_queue_hidden
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+
     def _flush_mtp(self, s: _Seq) -> None:
         """Write the queued plain-step entries E(q) = (x_q, h(q-1)) in one MTP pass without the head."""
         if not s.mtp_queue:
             return
         x = torch.tensor([s.mtp_queue], dtype=torch.long, device=self.model.device)
-        self.model.mtp_forward(x, torch.stack(s.mtp_queue_hidden)[None], self.cache, [s.slot], logits="none")
+        self.model.mtp_forward(x, self._queue_hidden(s)[None], self.cache, [s.slot], logits="none")
         s.mtp_queue.clear()
         s.mtp_queue_hidden.clear()
+        s.round_rows = None
 
     def _event(self, s: _Seq, dec: Decision, k: int, a: int, emitted: int, timing: RoundTiming, how: str,
                plain_s: float | None = None) -> RoundEvent:

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+import engine.model.layers as layers
 import engine.model.steps as steps_mod
 from engine.errors import InputError
 from engine.kernels import codegen
@@ -235,6 +236,14 @@ def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
 
     once(False)                      # the kind's first call (through dynamo)
     key = next(k for k in steps._entries if k[0] == "main" and k[3] == "last")
+    # a module flag read while tracing stays guarded (`_guard_filter` drops guards on code only)
+    guards, frame, flag = steps._entries[key][0][0], {"model": fast, "args": args}, layers._row_products
+    assert guards.check(frame)
+    layers.set_row_products(not flag)
+    try:
+        assert not guards.check(frame)
+    finally:
+        layers.set_row_products(flag)
     direct = steps.n_direct_calls
     got, want = once(False), once(True)
     assert steps.n_direct_calls == direct + 1
@@ -300,6 +309,24 @@ def test_each_slot_class_is_a_kind_of_its_own_compiled_in_the_background():
         assert steps_mod._one(None) is None
     finally:
         steps.close()
+
+
+def test_guard_filter_keeps_guards_on_data_and_drops_those_on_code():
+    """A new graph keeps no guard on the model's modules, and of the guards on globals those on plain data
+    (a module's flag or constant, which code may set at run time) but not those on code (modules,
+    functions, classes, builtins, dtypes), which nothing rebinds while the app runs."""
+    from types import SimpleNamespace
+
+    def entry(value, is_global=True, nn_module=False):
+        source = SimpleNamespace(is_unspecialized_nn_module=lambda: nn_module)
+        return SimpleNamespace(value=value, is_global=is_global, orig_guard=SimpleNamespace(source=source))
+
+    entries = [entry(True), entry(16), entry(0.5), entry("ATTN"), entry(None), entry((1, 2)), entry({}),
+               entry(torch), entry(torch.cat), entry(ModelCache), entry(len), entry(torch.float32),
+               entry(steps_mod._guard_filter.__code__),
+               entry(torch.zeros(1), is_global=False), entry(3, is_global=False),
+               entry(torch.zeros(1), is_global=False, nn_module=True)]
+    assert steps_mod._guard_filter(entries) == [True] * 7 + [False] * 6 + [True, True, False]
 
 
 def _main_args(model, cache, tok, slot):
