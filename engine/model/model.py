@@ -110,7 +110,7 @@ class Qwen35Model(nn.Module):
         self.draft_weights = "exact"           # the weights a draft chain multiplies by (see set_draft_weights)
         self.wrong_drafts = False              # drafts returned as (argmax + 1) mod vocab (set_wrong_drafts)
         self._draft: dict[int, DraftTwin] = {}  # nextn block number -> its draft copy ('q8_0')
-        self._slot_idx: dict[tuple, torch.Tensor] = {}   # (slots, device) -> their index tensor (`_slots`)
+        self._slot_idx: dict[tuple, torch.Tensor] = {}   # (slots, device, inference mode) -> index tensor
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
