@@ -112,12 +112,9 @@ class _Seq:
     stats: SpecStats = field(default_factory=SpecStats)
     pending: int = -1                  # s0: emitted, not yet in the main cache
     carry: torch.Tensor | None = None  # h(n-1) [E] for the MTP head
-    # after a round whose accepted drafts are all the queue: the queue's hidden rows and the carry as one view of
-    # the verification's rows (the next round's step-1 input, no copy); None once the queue or carry changes
-    round_rows: torch.Tensor | None = None
     uniforms: torch.Tensor | None = None  # [max_tokens] float64: the draw for generated token t
     # MTP entries not yet written (spec §5.3, lazy form; plain steps' and a round's accepted drafts): tokens and
-    # their hidden rows h(q-1), as blocks [n, E] (a round's rows are one block, a view of its verification's)
+    # their hidden rows h(q-1), as blocks [n, E] (a round's accepted rows are one block, a view of its verification's)
     mtp_queue: list[int] = field(default_factory=list)
     mtp_queue_hidden: list[torch.Tensor] = field(default_factory=list)
     n_past: int = 0                    # committed tokens in the main cache
@@ -265,7 +262,6 @@ class SpecDecoder:
                         self._flush_mtp(s)
                         s.decode_s += self.opt.clock() - t1
                 s.carry = h[i, 0].clone()
-                s.round_rows = None
             s.pending = nxt[i]
             s.checker.push(nxt[i])
             s.decode_s += dt
@@ -319,7 +315,6 @@ class SpecDecoder:
             for i in idx:
                 seqs[i].mtp_queue.clear()
                 seqs[i].mtp_queue_hidden.clear()
-                seqs[i].round_rows = None
         for s, p in zip(seqs, P, strict=True):
             cache.truncate_mtp(s.slot, p + 1)     # keep E(P) of step 1, drop the scratch entries
         if fused:
@@ -394,7 +389,6 @@ class SpecDecoder:
                 elif keep > 0:
                     m.mtp_forward(d[i:i + 1, :keep], h[i:i + 1, :keep], cache, [s.slot], logits="none")
                 s.carry = h[i, keep]
-                s.round_rows = h[i, :keep + 1] if len(s.mtp_queue) == keep else None
             s.n_past = P[i] + keep + 1
             s.pending = ids[n_emit - 1]
         t3 = self.opt.clock()
@@ -413,8 +407,6 @@ class SpecDecoder:
     @staticmethod
     def _queue_hidden(s: _Seq, with_carry: bool = False) -> torch.Tensor:
         """The queued entries' hidden rows [n, E], then the carry's with_carry."""
-        if with_carry and s.round_rows is not None:
-            return s.round_rows
         blocks = s.mtp_queue_hidden + [s.carry[None]] if with_carry else s.mtp_queue_hidden
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
@@ -426,7 +418,6 @@ class SpecDecoder:
         self.model.mtp_forward(x, self._queue_hidden(s)[None], self.cache, [s.slot], logits="none")
         s.mtp_queue.clear()
         s.mtp_queue_hidden.clear()
-        s.round_rows = None
 
     def _event(self, s: _Seq, dec: Decision, k: int, a: int, emitted: int, timing: RoundTiming, how: str,
                plain_s: float | None = None) -> RoundEvent:
