@@ -180,10 +180,10 @@ def _table(doc: dict) -> None:
     print(f"read bandwidth after the runs: {bw['step_sized_gbs']:.1f} GB/s over {bw['step_sized_mib']} MiB "
           f"(one decode step reads {bw['decode_step_bytes'] / 2**20:.1f} MiB of weights), "
           f"{bw['memory_gbs']:.1f} GB/s over {bw['memory_mib']} MiB")
-    if doc["steps"].get("kinds_compiled_in_timed_runs"):
-        print(f"note: {doc['steps']['kinds_compiled_in_timed_runs']} kinds of step were first met in the timed "
-              "runs and compiled there: the rounds that compiled them include the compile time")
-    if doc["steps"].get("eager_calls"):
-        st = doc["steps"]
-        print(f"note: {st['eager_calls']} of {st['eager_calls'] + st['compiled_calls']} timed model calls ran eager "
-              "(kinds of step still compiling): these figures mix the two paths; run again to use the cache")
+    st = doc["steps"]
+    if st.get("runs_repeated_after_a_compile"):
+        print(f"note: {st['kinds_compiled_in_timed_runs']} kinds of step were first met in the timed runs; the "
+              f"{st['runs_repeated_after_a_compile']} runs that met them were run again once they were compiled")
+    if st.get("kept_runs_with_a_compile"):
+        print(f"note: {st['kept_runs_with_a_compile']} runs met a new kind of step every time they ran and were kept: "
+              "their figures include compile time or eager calls")

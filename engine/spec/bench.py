@@ -3,6 +3,8 @@
 Every configuration runs on the same prompts, interleaved (A B C A B C ..., the order rotated per
 prompt) so machine drift hits all of them alike; figures are medians over prompts and repeats.
 Optionally every draft is replaced by a wrong token, which measures the pure overhead of speculation.
+With compiled steps a warm-up runs first; a timed run that still meets a kind of step not compiled yet
+(a step-1 length that only a policy carried across requests produces) is run again once it is compiled.
 Returns plain dicts; never prints.
 """
 
@@ -24,6 +26,7 @@ from engine.spec.stops import StopRule
 
 # wall: perf_counter; cpu: this thread's CPU time (stable on a loaded machine when torch runs one thread)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+RERUN_MAX = 3   # times a timed run that compiled a kind of step (or ran one eager) is run again
 
 
 @dataclass(frozen=True)
@@ -102,39 +105,26 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
             if steps.kinds_ready == before:
                 break
     counts0 = (steps.n_compiled_calls, steps.n_eager_calls, steps.kinds_ready) if steps is not None else None
+    repeated = tainted = 0
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
             shift = (rep * len(prompts) + i) % len(configs)
             for cfg in list(configs[shift:]) + list(configs[:shift]):
-                acc = per[cfg.name]
-                dec = SpecDecoder(model, options(cfg, clock=CLOCKS[clock], controller_factory=factory(cfg)))
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                for ev in dec.stream([prompt], StopRule(max_tokens=max_tokens, eos_ids=eos_ids)):
-                    if ev.k == 0:
-                        acc["plain_s"].append(ev.round_s)
-                    else:
-                        acc["verify_s"].setdefault(ev.k + 1, []).append(ev.verify_s)
-                        if ev.draft_s > 0:     # 0: drafted inside the verification's call (a fused round)
-                            acc["draft_s"].append(ev.draft_s / ev.k)
-                        else:
-                            acc["fused"] += 1
-                        acc["post_s"].append(ev.rollback_s)
-                res = dec.results()[0]
-                if cuda:
-                    acc["cuda_peak"] = max(acc["cuda_peak"], torch.cuda.max_memory_allocated())
-                acc["tps"].append(res.decode_tokens_per_second)
-                acc["cache_bytes"] = max(acc["cache_bytes"], dec.cache.nbytes())
-                st = acc["stats"]
-                for f in ("rounds", "plain_steps", "drafted", "accepted"):
-                    setattr(st, f, getattr(st, f) + getattr(res.stats, f))
-                for j, (d, a) in enumerate(zip(res.stats.drafts_per_pos, res.stats.accepted_per_pos, strict=True)):
-                    while len(st.drafts_per_pos) <= j:
-                        st.drafts_per_pos.append(0)
-                        st.accepted_per_pos.append(0)
-                    st.drafts_per_pos[j] += d
-                    st.accepted_per_pos[j] += a
+                for attempt in range(RERUN_MAX + 1):
+                    before = (steps.n_eager_calls, steps.kinds_ready) if steps is not None else None
+                    run = _timed_run(model, prompt, cfg, options(cfg, clock=CLOCKS[clock], controller_factory=factory(cfg)),
+                                     max_tokens, eos_ids, cuda)
+                    if steps is None or (steps.n_eager_calls, steps.kinds_ready) == before:
+                        break
+                    if attempt == RERUN_MAX:
+                        tainted += 1
+                        break
+                    # the run met a kind of step the warm-up did not (a step-1 length only a policy carried
+                    # across requests produces): it compiled inside the run (first use) or ran eager while
+                    # the worker compiled it; its time is not the configuration's, so it runs again
+                    steps.drain()
+                    repeated += 1
+                _merge(per[cfg.name], run)
                 done += 1
                 if progress is not None:
                     progress(done, total)
@@ -184,14 +174,63 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
         "weights": weight_inventory(model),     # matrices per form: {"packed Q8_0": n, "dense float32": m}
         "steps": {**dict(zip(("path", "why"), model.steps_status, strict=True)),
                   # timed calls that ran compiled / eager (a kind first met in the timed runs runs eager
-                  # while it compiles, and so does every step while the worker holds the tracer)
-                  # kinds of step that became ready during the timed runs (compiled there): 0 after the warm-up
+                  # while it compiles, and so does every step while the worker holds the tracer), and kinds
+                  # of step that became ready during the timed runs, the repeated runs' calls included
                   **({"compiled_calls": steps.n_compiled_calls - counts0[0],
                       "eager_calls": steps.n_eager_calls - counts0[1],
-                      "kinds_compiled_in_timed_runs": steps.kinds_ready - counts0[2]}
+                      "kinds_compiled_in_timed_runs": steps.kinds_ready - counts0[2],
+                      # runs that met such a kind were run again once it was ready (up to RERUN_MAX times);
+                      # kept_runs_with_a_compile counts those kept anyway (0 unless a run met new kinds every time)
+                      "runs_repeated_after_a_compile": repeated, "kept_runs_with_a_compile": tainted}
                      if counts0 is not None else {})},
         "auto_policy": "one per configuration, kept from run to run (as a server slot keeps it)",
     }
+
+
+def _timed_run(model, prompt, cfg: BenchConfig, opts: SpecOptions, max_tokens: int, eos_ids, cuda: bool) -> dict:
+    """One request of one configuration: its decode tokens/s, its events' timings, its stats."""
+    run: dict = {"plain_s": [], "verify_s": {}, "draft_s": [], "post_s": [], "fused": 0}
+    dec = SpecDecoder(model, opts)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    for ev in dec.stream([prompt], StopRule(max_tokens=max_tokens, eos_ids=eos_ids)):
+        if ev.k == 0:
+            run["plain_s"].append(ev.round_s)
+        else:
+            run["verify_s"].setdefault(ev.k + 1, []).append(ev.verify_s)
+            if ev.draft_s > 0:     # 0: drafted inside the verification's call (a fused round)
+                run["draft_s"].append(ev.draft_s / ev.k)
+            else:
+                run["fused"] += 1
+            run["post_s"].append(ev.rollback_s)
+    res = dec.results()[0]
+    run["cuda_peak"] = torch.cuda.max_memory_allocated() if cuda else 0
+    run["tps"] = res.decode_tokens_per_second
+    run["cache_bytes"] = dec.cache.nbytes()
+    run["stats"] = res.stats
+    return run
+
+
+def _merge(acc: dict, run: dict) -> None:
+    """Add one kept run to its configuration's totals."""
+    for f in ("plain_s", "draft_s", "post_s"):
+        acc[f].extend(run[f])
+    for n, v in run["verify_s"].items():
+        acc["verify_s"].setdefault(n, []).extend(v)
+    acc["fused"] += run["fused"]
+    acc["cuda_peak"] = max(acc["cuda_peak"], run["cuda_peak"])
+    acc["cache_bytes"] = max(acc["cache_bytes"], run["cache_bytes"])
+    acc["tps"].append(run["tps"])
+    st, rs = acc["stats"], run["stats"]
+    for f in ("rounds", "plain_steps", "drafted", "accepted"):
+        setattr(st, f, getattr(st, f) + getattr(rs, f))
+    for j, (d, a) in enumerate(zip(rs.drafts_per_pos, rs.accepted_per_pos, strict=True)):
+        while len(st.drafts_per_pos) <= j:
+            st.drafts_per_pos.append(0)
+            st.accepted_per_pos.append(0)
+        st.drafts_per_pos[j] += d
+        st.accepted_per_pos[j] += a
 
 
 def read_bandwidth(model) -> dict:

@@ -65,3 +65,44 @@ def test_steps_compiled_on_first_use_are_met_before_the_timed_runs(wrong):
     assert doc["steps"]["compiled_calls"] > 0
     by = {c["config"]: c for c in doc["configs"]}
     assert by["on/k=3"]["rounds"] > 0 and by["off"]["plain_steps"] > 0
+
+
+def test_a_timed_run_that_compiles_runs_again(monkeypatch):
+    """A timed run that meets a kind of step the warm-up did not (here: the second timed run, and every run
+    of `on/k=2` after the warm-up) is run again once the kind is ready; only the repeat is kept, and a run
+    that meets new kinds every time is kept after RERUN_MAX repeats and counted."""
+    import engine.spec.bench as bench
+
+    model = get_model("models/tiny-qwen35-f32.gguf")
+    ref = get_ref("ref/tiny-qwen35.npz")
+    prompts = [ref[f"prompt_{n}"].tolist() for n in (7, 33)]
+    steps = FirstUseSteps()
+    real = bench._timed_run
+    calls = {"timed": 0}
+
+    def timed_run(model, prompt, cfg, *args):
+        run = real(model, prompt, cfg, *args)
+        calls["timed"] += 1
+        if calls["timed"] == 2 or cfg.name == "on/k=2":
+            steps.kinds.add(("late", calls["timed"]))     # a kind first met (compiled) inside this run
+            run["tps"] = -1.0                              # a figure that must not be kept
+        return run
+
+    monkeypatch.setattr(bench, "_timed_run", timed_run)
+    model._steps = steps
+    try:
+        doc = run_bench(model, prompts, configurations(["off", "on"], [3]) + [bench.BenchConfig("on", 2)],
+                        max_tokens=8, repeats=2, clock="cpu")
+    finally:
+        model._steps = None
+    st = doc["steps"]
+    per_k2 = 2 * len(prompts)                              # runs of on/k=2, each met a new kind every time
+    assert st["kept_runs_with_a_compile"] == per_k2
+    assert st["runs_repeated_after_a_compile"] == 1 + per_k2 * bench.RERUN_MAX
+    assert st["kinds_compiled_in_timed_runs"] == 1 + per_k2 * (bench.RERUN_MAX + 1)
+    assert calls["timed"] == 3 * 2 * len(prompts) + st["runs_repeated_after_a_compile"]
+    by = {c["config"]: c for c in doc["configs"]}
+    for name in ("off", "on/k=3"):
+        assert by[name]["runs"] == 2 * len(prompts)
+        assert by[name]["decode_tps_median"] > 0           # the run with the compile was not kept
+    assert by["on/k=2"]["decode_tps_median"] == -1.0       # kept after RERUN_MAX repeats, and counted
