@@ -87,6 +87,7 @@ class AutoPolicy(DraftController):
         self.probe_every = PROBE_FIRST
         self.rounds_since_explore = 0
         self._probing = False
+        self._floor: int | None = None      # _probe_floor() of the current off period (None: not computed yet)
         self._change: str | None = None
 
     # --- estimates -------------------------------------------------------------------------
@@ -184,6 +185,7 @@ class AutoPolicy(DraftController):
         """Keep the learned acceptance and times; forget the request-local probe schedule."""
         self.plain_since_off = 0
         self._probing = False
+        self._floor = None
 
     # --- decisions -------------------------------------------------------------------------
 
@@ -191,7 +193,7 @@ class AutoPolicy(DraftController):
         if self.state == CALIBRATING or k_cap <= 0:
             return Decision(0, "plain", self.baseline_tps)
         if self.off:
-            if self.plain_since_off >= max(self.probe_every, self._probe_floor()):
+            if self._probe_due():
                 self._probing = True
                 k = min(PROBE_K, k_cap, self.k_max)
                 return Decision(k, "probe", self.rate(k))
@@ -211,7 +213,7 @@ class AutoPolicy(DraftController):
         if cur == 0 or self.rate(best) >= need * self.rate(cur):
             cur = best
         if cur == 0:
-            self.off, self.plain_since_off, self.k_current = True, 0, 0
+            self.off, self.plain_since_off, self.k_current, self._floor = True, 0, 0, None
             self._change = REASON_OFF
             return Decision(0, "plain", self.baseline_tps)
         self.k_current = cur
@@ -224,6 +226,17 @@ class AutoPolicy(DraftController):
             self.rounds_since_explore = 0
             k += 1
         return Decision(k, "round", self.rate(k))
+
+    def _probe_due(self) -> bool:
+        """Whether the plain steps since MTP went off (or since the last probe) reached the probe schedule
+        and the floor. The floor is computed once per off period, at the first step where it can matter:
+        it prices a round from the estimates, ~3 us of Python, which every plain step paid while MTP was off
+        (a demo-model step is ~450 us)."""
+        if self.plain_since_off < self.probe_every:
+            return False
+        if self._floor is None:
+            self._floor = self._probe_floor()
+        return self.plain_since_off >= self._floor
 
     def _probe_floor(self) -> int:
         """Plain steps between probes so that the predicted loss of a lost probe (its time minus the
@@ -270,7 +283,7 @@ class AutoPolicy(DraftController):
         self.t_post[k] = _ema(self.t_post.get(k), timing.post_s, TIME_EMA)
         if self._probing:
             self._probing = False
-            self.plain_since_off = 0
+            self.plain_since_off, self._floor = 0, None
             best = self.best_k(self.k_max)
             if best > 0 and self.rate(best) >= HYSTERESIS * self.rate(0):
                 self.off, self.k_current, self.probe_every = False, best, PROBE_FIRST

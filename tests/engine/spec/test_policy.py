@@ -147,6 +147,21 @@ def test_all_rejected_turns_off_fast_and_probes_with_doubling_interval():
     assert 1000 / sim.time >= 0.95 / sim.t0
 
 
+
+def test_the_probe_floor_is_priced_once_per_off_period(monkeypatch):
+    """While MTP is off every plain step asks whether a probe is due; the floor (a round priced from the
+    estimates) is computed once per off period, not on every step, and the probes keep their schedule."""
+    sim = Sim(alpha=0.0, seed=2, slope=0.6)     # verification expensive (CPU-like): the floor is above 16
+    pol = AutoPolicy(4)
+    calls = []
+    real = AutoPolicy._probe_floor
+    monkeypatch.setattr(AutoPolicy, "_probe_floor", lambda self: calls.append(1) or real(self))
+    sim.run(pol, 2000)
+    probes = sim.kinds.count("probe")
+    assert pol.off and probes >= 3
+    assert pol._probe_floor() > PROBE_FIRST            # the floor, not the doubling schedule, set the first gap
+    assert len(calls) - 1 <= probes + 1, (len(calls), probes)   # one per off period (the last one unfinished)
+
 def test_prose_then_code_gets_mtp_back():
     """Acceptance 0.05 for 600 tokens, then 0.9: MTP goes off, then a probe wins it back (one probe
     after the switch normally suffices; a probe can be unlucky, so a second one is allowed)."""
