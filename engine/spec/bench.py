@@ -121,7 +121,8 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
                         break
                     # the run met a kind of step the warm-up did not (a step-1 length only a policy carried
                     # across requests produces): it compiled inside the run (first use) or ran eager while
-                    # the worker compiled it; its time is not the configuration's, so it runs again
+                    # the worker compiled it; its time is not the configuration's, so it runs again (an
+                    # `auto` policy keeps what it learnt in the dropped run, as a slot would)
                     steps.drain()
                     repeated += 1
                 _merge(per[cfg.name], run)
