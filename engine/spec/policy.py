@@ -230,7 +230,7 @@ class AutoPolicy(DraftController):
     def _probe_due(self) -> bool:
         """Whether the plain steps since MTP went off (or since the last probe) reached the probe schedule
         and the floor. The floor is computed once per off period, at the first step where it can matter:
-        it prices a round from the estimates, ~3 us of Python, which every plain step paid while MTP was off
+        it prices a round from the estimates, ~2 us of Python, which every plain step paid while MTP was off
         (a demo-model step is ~450 us)."""
         if self.plain_since_off < self.probe_every:
             return False
