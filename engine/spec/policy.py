@@ -38,6 +38,7 @@ PROBE_K = 2
 PROBE_FIRST = 16
 PROBE_MAX = 256
 PROBE_BUDGET = 0.02      # a lost probe may cost at most 2 % of the plain-step time between probes
+PROBE_SETTLE = 4         # plain steps of a request before its first probe (the first ones run cold)
 CALIBRATION_STEPS = 3    # plain steps measured before the first round; the first is discarded
 PLAIN_WINDOW = 32        # recent plain-step times kept; T_0 is their lower quartile
 VERIFY_WINDOW = 16       # recent verification times kept per row count; V(n) is their lower quartile
@@ -83,7 +84,8 @@ class AutoPolicy(DraftController):
         self.calibration_seen = 0
         self.k_current = 0
         self.off = False
-        self.plain_since_off = 0
+        self.plain_since_off = 0                # plain steps since MTP went off or the last probe, all requests
+        self.plain_in_request = 0
         self.probe_every = PROBE_FIRST
         self.rounds_since_explore = 0
         self._probing = False
@@ -182,10 +184,12 @@ class AutoPolicy(DraftController):
         return DISABLED if self.off else AUTO
 
     def new_request(self) -> None:
-        """Keep the learned acceptance and times; forget the request-local probe schedule."""
-        self.plain_since_off = 0
+        """Keep the learned acceptance and times, and the count of plain steps towards the next probe:
+        a slot that serves replies shorter than the probe interval (or its floor: ~100 plain steps after
+        one slow round on the demo model) must still probe now and then, or one bad estimate keeps MTP
+        off on it for good. The new request's first probe waits for PROBE_SETTLE of its plain steps."""
+        self.plain_in_request = 0
         self._probing = False
-        self._floor = None
 
     # --- decisions -------------------------------------------------------------------------
 
@@ -232,7 +236,7 @@ class AutoPolicy(DraftController):
         and the floor. The floor is computed once per off period, at the first step where it can matter:
         it prices a round from the estimates, ~2 us of Python, which every plain step paid while MTP was off
         (a demo-model step is ~450 us)."""
-        if self.plain_since_off < self.probe_every:
+        if self.plain_since_off < self.probe_every or self.plain_in_request < PROBE_SETTLE:
             return False
         if self._floor is None:
             self._floor = self._probe_floor()
@@ -254,6 +258,7 @@ class AutoPolicy(DraftController):
         if self.calibration_seen > 1:   # the first step of a fresh policy carries one-time costs
             self._plain_times.append(step_s)
             self.t_plain = _lower_quartile(self._plain_times)
+        self.plain_in_request += 1
         if self.off:
             self.plain_since_off += 1
         if was_calibrating and self.state != CALIBRATING:

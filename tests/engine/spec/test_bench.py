@@ -61,8 +61,13 @@ def test_steps_compiled_on_first_use_are_met_before_the_timed_runs(wrong):
     finally:
         model._steps = None
     assert steps.kinds_ready >= 6          # plain steps, verifications of 3 and 4 rows, MTP passes, chains
-    assert doc["steps"]["kinds_compiled_in_timed_runs"] == 0, doc["steps"]
-    assert doc["steps"]["compiled_calls"] > 0
+    st = doc["steps"]
+    # the warm-up runs fresh policies; `auto`'s policy in the timed runs is kept from request to request,
+    # and its probes (after plain steps of earlier requests) may meet an MTP backlog length the warm-up
+    # did not: such a run is repeated once the kind is ready, and none with a compile is kept
+    assert st["kinds_compiled_in_timed_runs"] <= st["runs_repeated_after_a_compile"] <= 1, st
+    assert st["kept_runs_with_a_compile"] == 0, st
+    assert st["compiled_calls"] > 0
     by = {c["config"]: c for c in doc["configs"]}
     assert by["on/k=3"]["rounds"] > 0 and by["off"]["plain_steps"] > 0
 

@@ -12,7 +12,7 @@ import pytest
 
 from engine.spec.events import AUTO, CALIBRATING, DISABLED
 from engine.spec.gate import RoundTiming
-from engine.spec.policy import PLAIN_CHECK_EVERY, PROBE_FIRST, PROBE_MAX, AutoPolicy
+from engine.spec.policy import PLAIN_CHECK_EVERY, PROBE_FIRST, PROBE_MAX, PROBE_SETTLE, AutoPolicy
 
 
 class Sim:
@@ -216,6 +216,36 @@ def test_a_poor_request_does_not_keep_mtp_off_for_the_next_ones():
         assert "probe won" in after and pol.state == AUTO, (seed, after)
         lost.append(after[:after.index("probe won")].count("probe lost"))
     assert max(lost) <= 1 and sum(lost) <= 7, lost
+
+
+def test_short_replies_still_probe_after_one_slow_round():
+    """A slot serving replies shorter than the probe interval: one slow first round (a cold cache, a
+    compile) turns MTP off where it wins ~1.2x, and the probe floor is then the cap of 256 plain steps.
+    The count towards the next probe runs across requests, so MTP comes back within a few replies; it
+    restarted with each request before, and the slot stayed on plain steps for good (`mtpchat bench`,
+    demo model, `auto` k=3: one round in 8 x 2 replies of ~29 tokens). A request's first probe waits for
+    PROBE_SETTLE of its plain steps."""
+    sim = Sim(alpha=0.95, d=0.05, slope=0.3, jump=1.3, noise=lambda i: 3.0 if i == 3 else 1.0)
+    e4 = 1 + 0.95 + 0.95 ** 2 + 0.95 ** 3 + 0.95 ** 4
+    assert e4 / (0.05 * 4 + sim.verify(5) + sim.post) > 1.2      # MTP at k = 4 wins by > 20 % here
+    pol = AutoPolicy(4)
+    starts, clock = [], []
+    for _ in range(40):
+        pol.new_request()
+        starts.append(len(sim.kinds))
+        clock.append(sim.time)
+        sim.run(pol, 40)
+    changes = [c for _, c in sim.changes]
+    assert changes[:2] == ["baseline ready", "slower than no-MTP"], changes
+    assert "probe won" in changes and pol.state == AUTO, changes
+    won_at = next(t for t, c in sim.changes if c == "probe won")
+    assert won_at <= 12 * 40, won_at
+    rate = 20 * 40 / (sim.time - clock[20])                 # the last 20 replies, tokens per unit time
+    assert rate >= 1.1 / sim.t0, rate
+    for i, kind in enumerate(sim.kinds):
+        if kind == "probe":
+            start = max(s for s in starts if s <= i)
+            assert sim.kinds[start:i].count("plain") >= PROBE_SETTLE, (i, start)
 
 
 def _fixed_estimates(v4: float, v5: float) -> AutoPolicy:
