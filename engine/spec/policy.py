@@ -185,9 +185,9 @@ class AutoPolicy(DraftController):
 
     def new_request(self) -> None:
         """Keep the learned acceptance and times, and the count of plain steps towards the next probe:
-        a slot that serves replies shorter than the probe interval (or its floor: ~100 plain steps after
-        one slow round on the demo model) must still probe now and then, or one bad estimate keeps MTP
-        off on it for good. The new request's first probe waits for PROBE_SETTLE of its plain steps."""
+        a slot that serves replies shorter than the probe interval (or its floor, up to PROBE_MAX plain
+        steps after one slow round) must still probe now and then, or one bad estimate keeps MTP off on
+        it for good. The new request's first probe waits for PROBE_SETTLE of its plain steps."""
         self.plain_in_request = 0
         self._probing = False
 

@@ -65,7 +65,7 @@ def test_steps_compiled_on_first_use_are_met_before_the_timed_runs(wrong):
     # the warm-up runs fresh policies; `auto`'s policy in the timed runs is kept from request to request,
     # and its probes (after plain steps of earlier requests) may meet an MTP backlog length the warm-up
     # did not: such a run is repeated once the kind is ready, and none with a compile is kept
-    assert st["kinds_compiled_in_timed_runs"] <= st["runs_repeated_after_a_compile"] <= 1, st
+    assert st["kinds_compiled_in_timed_runs"] <= st["runs_repeated_after_a_compile"], st
     assert st["kept_runs_with_a_compile"] == 0, st
     assert st["compiled_calls"] > 0
     by = {c["config"]: c for c in doc["configs"]}

@@ -235,6 +235,8 @@ def test_short_replies_still_probe_after_one_slow_round():
         starts.append(len(sim.kinds))
         clock.append(sim.time)
         sim.run(pol, 40)
+        if len(starts) == 1:
+            assert pol.off and pol._probe_floor() == PROBE_MAX
     changes = [c for _, c in sim.changes]
     assert changes[:2] == ["baseline ready", "slower than no-MTP"], changes
     assert "probe won" in changes and pol.state == AUTO, changes
