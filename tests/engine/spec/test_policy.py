@@ -147,7 +147,6 @@ def test_all_rejected_turns_off_fast_and_probes_with_doubling_interval():
     assert 1000 / sim.time >= 0.95 / sim.t0
 
 
-
 def test_the_probe_floor_is_priced_once_per_off_period(monkeypatch):
     """While MTP is off every plain step asks whether a probe is due; the floor (a round priced from the
     estimates) is computed once per off period, not on every step, and the probes keep their schedule."""
@@ -161,6 +160,7 @@ def test_the_probe_floor_is_priced_once_per_off_period(monkeypatch):
     assert pol.off and probes >= 3
     assert pol._probe_floor() > PROBE_FIRST            # the floor, not the doubling schedule, set the first gap
     assert len(calls) - 1 <= probes + 1, (len(calls), probes)   # one per off period (the last one unfinished)
+
 
 def test_prose_then_code_gets_mtp_back():
     """Acceptance 0.05 for 600 tokens, then 0.9: MTP goes off, then a probe wins it back (one probe
