@@ -2,8 +2,10 @@
 [--draft 1,2,3,4] [--repeats R] [--wrong-drafts] [--json]`: decode speed of MTP configurations.
 
 All configurations run in one process on the same prompts, interleaved, and are reported side by side:
-decode tokens/s (median), ratio to off, acceptance per draft position, mean accepted length, the
-measured cost of a plain step, a verification and a draft step, memory. --json prints one document.
+decode tokens/s (median), ratio to off (of the medians, and the median of each run's ratio to off's run of
+the same prompt in the same repeat, with a 95 % interval), acceptance per draft position, mean accepted
+length, the measured cost of a plain step, a verification and a draft step, memory. --json prints one
+document.
 """
 
 from __future__ import annotations
@@ -151,6 +153,13 @@ def _fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _paired(p: dict | None) -> str:
+    if not p:
+        return "-"
+    ci = p["ci95"]
+    return f"{p['median']:.3f} " + (f"[{ci[0]:.3f}-{ci[1]:.3f}]" if ci else f"(n={p['n']}, no CI)")
+
+
 def _table(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -163,11 +172,12 @@ def _table(doc: dict) -> None:
              + (f", {doc['draft_weights']} draft weights" if doc["draft_weights"] != "exact" else "")
              + (", WRONG DRAFTS" if doc["wrong_drafts"] else ""))
     t = Table(title=title)
-    for col in ("config", "tok/s", "x off", "accept/pos", "mean len", "plain ms", "verify ms (rows)",
-                "draft ms", "cache MiB"):
+    for col in ("config", "tok/s", "x off", "x off by prompt [95% CI]", "accept/pos", "mean len", "plain ms",
+                "verify ms (rows)", "draft ms", "cache MiB"):
         t.add_column(col, justify="right" if col != "config" else "left")
     for r in doc["configs"]:
         t.add_row(r["config"], _fmt(r["decode_tps_median"], ".1f"), _fmt(r["ratio_to_off"], ".3f"),
+                  _paired(r.get("ratio_to_off_paired")),
                   " ".join(f"{a:.2f}" for a in r["accepted_per_position"]) or "-",
                   _fmt(r["mean_accepted_length"]), _fmt(r["plain_step_ms"], ".3f"),
                   " ".join(f"{v:.2f}({n})" for n, v in r["verify_ms"].items()) or "-",

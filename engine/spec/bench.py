@@ -10,6 +10,7 @@ Returns plain dicts; never prints.
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
@@ -49,6 +50,36 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def median_ci(xs: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of the population xs were drawn from: the
+    order statistics x_(j) and x_(n+1-j) with the largest j whose tails each hold at most (1 - level) / 2
+    of Binomial(n, 1/2) (so the coverage is at least `level`). None when n is too small for it (n < 6 at
+    95 %)."""
+    n = len(xs)
+    if n == 0 or not 0 < level < 1:
+        return None
+    tail, cum, j = (1.0 - level) / 2.0, 0.0, 0
+    while j < n:
+        cum += math.comb(n, j) / 2.0 ** n           # P(X <= j), X ~ Binomial(n, 1/2)
+        if cum > tail:
+            break
+        j += 1
+    if j == 0:
+        return None
+    ys = sorted(xs)
+    return ys[j - 1], ys[n - j]
+
+
+def paired_ratios(runs: dict, off: dict) -> dict | None:
+    """Per-run ratios to `off` for runs of the same prompt in the same repeat (run back to back, so a drift of
+    the machine's speed hits both): their median, a 95 % interval for it (`median_ci`) and their count."""
+    ratios = [tps / off[key] for key, tps in runs.items() if off.get(key)]
+    if not ratios:
+        return None
+    ci = median_ci(ratios)
+    return {"median": statistics.median(ratios), "ci95": list(ci) if ci else None, "n": len(ratios)}
+
+
 def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchConfig], *, max_tokens: int,
               repeats: int = 1, wrong_drafts: bool = False, hidden: str = "post-norm",
               eos_ids: frozenset[int] = frozenset(), progress: Callable[[int, int], None] | None = None,
@@ -67,7 +98,8 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
 
 def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, eos_ids, progress, clock) -> dict:
     per: dict[str, dict] = {c.name: {"tps": [], "stats": SpecStats(), "plain_s": [], "verify_s": {},
-                                     "draft_s": [], "post_s": [], "cache_bytes": 0, "cuda_peak": 0, "fused": 0}
+                                     "draft_s": [], "post_s": [], "cache_bytes": 0, "cuda_peak": 0, "fused": 0,
+                                     "by_run": {}}
                             for c in configs}
     total, done = repeats * len(prompts) * len(configs), 0
     cuda = model.device.type == "cuda"
@@ -126,6 +158,7 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
                     steps.drain()
                     repeated += 1
                 _merge(per[cfg.name], run)
+                per[cfg.name]["by_run"][(rep, i)] = run["tps"]
                 done += 1
                 if progress is not None:
                     progress(done, total)
@@ -142,6 +175,8 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
             "config": c.name, "mode": c.mode, "k": c.k,
             "decode_tps_median": tps,
             "ratio_to_off": tps / off_tps if tps and off_tps else None,
+            # the same, prompt by prompt: each run against `off`'s run of that prompt in that repeat
+            "ratio_to_off_paired": paired_ratios(acc["by_run"], per["off"]["by_run"]) if "off" in per else None,
             "accepted_per_position": st.accepted_per_position,
             "accept_rate": st.accept_rate,
             "mean_accepted_length": st.mean_accepted_length,

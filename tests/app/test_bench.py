@@ -26,6 +26,9 @@ def test_bench_json_reports_every_configuration(tmp_path, mtpchat):  # noqa: F81
     assert by["off"]["ratio_to_off"] == 1.0 and by["off"]["rounds"] == 0
     for c in doc["configs"]:
         assert c["runs"] == 2 and c["decode_tps_median"] > 0
+        paired = c["ratio_to_off_paired"]                       # 2 prompts x 1 repeat: too few for an interval
+        assert paired["n"] == 2 and paired["ci95"] is None and paired["median"] > 0
+    assert by["off"]["ratio_to_off_paired"]["median"] == 1.0
     on2 = by["on/k=2"]
     assert on2["rounds"] > 0 and len(on2["accepted_per_position"]) == 2
     assert 1.0 <= on2["mean_accepted_length"] <= 3.0
