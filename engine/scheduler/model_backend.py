@@ -337,8 +337,7 @@ class ModelBackend(SlotBackend):
             st = self.slots[slots[i]]
             st.mtp_queue_tokens.append(st.run.pending)
             st.mtp_queue_hidden.append(st.carry)
-            if len(st.mtp_queue_tokens) >= self.mtp_queue_max:
-                self._flush_mtp([slots[i]])
+        full = [slots[i] for i in sync if len(self.slots[slots[i]].mtp_queue_tokens) >= self.mtp_queue_max]
         greedy = None
         if all(self.slots[s].run.sampler.plain_greedy for s in slots):
             greedy = out.logits[:, 0].argmax(dim=-1).tolist()   # one host read for the batch
@@ -354,6 +353,8 @@ class ModelBackend(SlotBackend):
             self._emit(run, res, [tok])
             results[s] = res
         dt = time.perf_counter() - t0
+        # a full queue is written after the step's timer: it is the sync of many steps, not this step's cost
+        self._flush_mtp(full)
         for s in slots:
             run = self.slots[s].run
             if self.has_mtp and run.uses_mtp:
@@ -367,13 +368,15 @@ class ModelBackend(SlotBackend):
         with the rejected drafts (KV by length, GDN state by the per-step snapshots)."""
         dev = self.model.device
         B, K = len(slots), max(ks)
-        t0 = time.perf_counter()
         spec = [i for i in range(B) if ks[i] > 0]
         spec_slots = [slots[i] for i in spec]
         # one drafting slot: its queued MTP entries (the last round's accepted drafts, plain steps) ride
-        # along in draft step 1 when there are at most K of them (one compiled chain per step-1 length)
+        # along in draft step 1 when there are at most K of them (one compiled chain per step-1 length).
+        # Else they are written first, outside the round's timer: that is the plain steps' MTP sync (a probe
+        # after a run of plain steps writes up to 255 of them), not a cost of drafting that policies should see
         ride = len(spec) == 1 and len(self.slots[spec_slots[0]].mtp_queue_tokens) <= K
         self._flush_mtp([] if ride else spec_slots)
+        t0 = time.perf_counter()
         s0_host = [self.slots[s].run.pending for s in slots]
         s0 = torch.tensor([[t] for t in s0_host], dtype=torch.long, device=dev)
         P = [len(self.slots[s].tokens) for s in slots]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -177,3 +178,40 @@ def test_auto_policy_is_kept_per_slot_across_requests(model):
         assert backend.slots[0].auto is first                     # kept for the slot's next auto request
     finally:
         sched.close()
+
+
+def test_the_plain_steps_mtp_sync_is_timed_by_no_round_and_no_plain_step(model):
+    """Plain steps queue their MTP entries (spec §5.3); the pass that writes a queue too long to ride along in
+    a round's draft step 1 (here the seed gate's 4 baseline steps before a round of 2 drafts), or a full queue,
+    is the sync of many steps. As in the one-sequence decoder it runs outside every timer the policies read:
+    in the server a probe after a run of plain steps counted up to 255 rows of it as its drafting time."""
+    for n_draft, queue_max in ((2, 256), (3, 3)):
+        backend = ModelBackend(model, frozenset(), 1, 256)
+        backend.mtp_queue_max = queue_max
+        real_flush, real_event = backend._flush_mtp, backend._event
+        log = []
+
+        def slow_flush(slots, backend=backend, real_flush=real_flush, log=log):
+            n = sum(len(backend.slots[s].mtp_queue_tokens) for s in slots)
+            if n:
+                log.append(("sync", n, 0.0))
+                time.sleep(0.3)
+            real_flush(slots)
+
+        def event(slot, run, kind, k, a, emitted, timing, real_event=real_event, log=log):
+            log.append((kind, k, timing.round_s))
+            return real_event(slot, run, kind, k, a, emitted, timing)
+
+        backend._flush_mtp, backend._event = slow_flush, event
+        sched = Scheduler(backend, CharText)
+        try:
+            list(sched.submit(GenerationRequest(prompt=(5, 6, 7, 8, 9), max_tokens=12, ignore_eos=True,
+                                                mtp="adaptive", n_draft=n_draft, slot=0)))
+        finally:
+            sched.close()
+        steps = [(kind, n) for kind, n, _ in log]
+        if queue_max == 256:      # 4 queued entries > 2 drafts: written before the round, apart
+            assert steps[:6] == [("plain", 0)] * 4 + [("sync", 4), ("round", 2)], steps
+        else:                     # a full queue at the third step (written before its event); the fourth's rides along
+            assert steps[:6] == [("plain", 0)] * 2 + [("sync", 3)] + [("plain", 0)] * 2 + [("round", 3)], steps
+        assert max(t for _, _, t in log) < 0.3, log
