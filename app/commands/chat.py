@@ -55,16 +55,21 @@ class TerminalChat:
         from engine.scheduler.text import text_factory
         from engine.text.template import ChatTemplate
         from engine.text.tokenizer import Tokenizer
+        from engine.threads import in_passing_thread
 
         f = open_gguf(model_path)
         self.tokenizer = Tokenizer.from_gguf(f)
         self.template = ChatTemplate.from_tokenizer_metadata(f.metadata, self.tokenizer)
-        model = load_model_as(f, weights, steps)
-        apply_draft_options(model, draft_vocab, draft_weights, steps)
-        self.steps_status = model.compile_steps(steps, background=steps == "auto")
+        def build():
+            # in a thread that ends before decoding starts (engine.threads): the scheduler's thread decodes
+            model = load_model_as(f, weights, steps)
+            apply_draft_options(model, draft_vocab, draft_weights, steps)
+            status = model.compile_steps(steps, background=steps == "auto")
+            n_ctx = min(4096, model.cfg.context_length)
+            return model, status, n_ctx, ModelBackend(model, self.tokenizer.special.eog, 1, n_ctx)
+
+        model, self.steps_status, n_ctx, backend = in_passing_thread(build)
         self.matrices = describe_weights(weight_inventory(model))   # e.g. "27 packed Q8_0, 4 dense float32"
-        n_ctx = min(4096, model.cfg.context_length)
-        backend = ModelBackend(model, self.tokenizer.special.eog, 1, n_ctx)
         self.scheduler = Scheduler(backend, text_factory(self.tokenizer.token_bytes), default_mtp=mtp,
                                    default_draft=draft)
         self.n_ctx = n_ctx

@@ -104,6 +104,7 @@ def build_state(args: argparse.Namespace):
     from engine.scheduler.text import text_factory
     from engine.text.template import ChatTemplate
     from engine.text.tokenizer import Tokenizer
+    from engine.threads import in_passing_thread
 
     if not 1 <= args.parallel <= 64:
         raise InputError(f"--parallel: {args.parallel} not in 1..64")
@@ -122,17 +123,22 @@ def build_state(args: argparse.Namespace):
     template = ChatTemplate.from_tokenizer_metadata(f.metadata, tokenizer)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or (
         torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
-    model = load_model_as(f, args.weights, args.steps, args.device, dtype)
-    apply_draft_options(model, args.draft_vocab, args.draft_weights, args.steps)
-    steps_path, steps_why = model.compile_steps(args.steps, background=args.steps == "auto")
+    def build():
+        # in a thread that ends before decoding starts (engine.threads): the scheduler's thread decodes
+        model = load_model_as(f, args.weights, args.steps, args.device, dtype)
+        apply_draft_options(model, args.draft_vocab, args.draft_weights, args.steps)
+        steps = model.compile_steps(args.steps, background=args.steps == "auto")
+        n_ctx_slot = args.ctx // args.parallel if args.ctx else min(4096, model.cfg.context_length)
+        if n_ctx_slot < 16:
+            raise InputError(f"--ctx: {args.ctx} leaves {n_ctx_slot} tokens per slot; need at least 16")
+        backend = ModelBackend(model, tokenizer.special.eog, args.parallel, n_ctx_slot,
+                               prefill_chunk=args.prefill_chunk, ctx_checkpoints=args.ctx_checkpoints)
+        return model, steps, n_ctx_slot, backend
+
+    model, (steps_path, steps_why), n_ctx_slot, backend = in_passing_thread(build)
     logging.getLogger("mtpchat.serve").info("decode steps: %s (%s); matrices: %s", steps_path, steps_why,
                                             describe_weights(weight_inventory(model)))
     cfg = model.cfg
-    n_ctx_slot = args.ctx // args.parallel if args.ctx else min(4096, cfg.context_length)
-    if n_ctx_slot < 16:
-        raise InputError(f"--ctx: {args.ctx} leaves {n_ctx_slot} tokens per slot; need at least 16")
-    backend = ModelBackend(model, tokenizer.special.eog, args.parallel, n_ctx_slot,
-                           prefill_chunk=args.prefill_chunk, ctx_checkpoints=args.ctx_checkpoints)
     scheduler = Scheduler(backend, text_factory(tokenizer.token_bytes), default_mtp=args.mtp,
                           default_draft=args.draft, queue_timeout_s=args.queue_timeout)
     alias = args.alias or Path(path).name.removesuffix(".gguf")

@@ -309,6 +309,8 @@ class CompiledSteps:
         self._queued: set[tuple] = set()
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._worker_lock = threading.Lock()   # a worker leaves when the queue is empty; a job then starts one
+        self._atexit = False
         self._failed: str | None = None
         self._closed = False
         # kind -> its graphs as `_guarded_entries` gives them, read after the kind's first call through dynamo
@@ -335,6 +337,7 @@ class CompiledSteps:
             return True
         done = threading.Event()
         self._jobs.put(done)
+        self._start_worker()
         return done.wait(timeout)
 
     # -- calls -------------------------------------------------------------------------------------
@@ -488,15 +491,32 @@ class CompiledSteps:
         return fn
 
     # -- background compilation ---------------------------------------------------------------------
+    # A worker leaves as soon as the queue is empty, and the next queued kind starts another. On CPU the
+    # OpenMP runtime (libgomp) gives every thread that runs a parallel region threads of its own, kept until
+    # that thread ends; while the worker's (made by its warm-up calls) were alive beside the decoding
+    # thread's, more threads than CPUs were managed, so libgomp stopped letting idle ones spin between
+    # parallel regions, and each of a step's regions woke its threads from sleep: the demo model's compiled
+    # plain step took 3.1 ms instead of 0.47 on the 2-vCPU AMD EPYC (docs/benchmarks.md, thirty-first session)
     def _start_worker(self) -> None:
-        if self._worker is None:
+        with self._worker_lock:
+            if self._worker is not None:
+                return
             # not a daemon: interpreter shutdown while inductor compiles aborts the process, so at exit
             # the queue is dropped and the compilation in progress is waited for
             self._worker = threading.Thread(target=self._work, name="mtpchat-compile")
             register = getattr(threading, "_register_atexit", None)
-            if register is not None:
+            if register is not None and not self._atexit:
                 register(self.close)
+                self._atexit = True
             self._worker.start()
+
+    def _next_job(self):
+        """The next queued job, or None when there is none (the worker then ends; see `_start_worker`)."""
+        with self._worker_lock:
+            if self._jobs.empty():
+                self._worker = None
+                return None
+            return self._jobs.get()
 
     def close(self) -> None:
         """Drop the kinds still queued; the one compiling finishes (the worker then exits)."""
@@ -506,8 +526,11 @@ class CompiledSteps:
     def _work(self) -> None:
         _dynamo_settings()
         while True:
-            job = self._jobs.get()
+            job = self._next_job()
             if job is None:
+                with self._worker_lock:
+                    if self._worker is threading.current_thread():   # close(): the next worker reads the rest
+                        self._worker = None
                 return
             if isinstance(job, threading.Event):
                 job.set()

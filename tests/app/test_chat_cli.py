@@ -44,6 +44,30 @@ def test_two_turns_same_text_with_mtp_on_and_off(model_path):
     assert replies["off"][0]
 
 
+def test_the_model_is_set_up_in_a_thread_that_ends_before_decoding(model_path, monkeypatch):
+    """Loading and allocating the cache run outside both the caller's thread and the scheduler's (see
+    engine.threads: a live thread that ran parallel regions slowed the decoding thread's ~6x)."""
+    import threading
+
+    import app.commands.chat as chat_mod
+
+    seen = []
+    real = chat_mod.load_model_as
+
+    def load(*a, **kw):
+        seen.append(threading.current_thread())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(chat_mod, "load_model_as", load)
+    chat = _chat(model_path, "off")
+    try:
+        assert chat.reply("Hello there", io.StringIO())
+    finally:
+        chat.close()
+    (t,) = seen
+    assert t is not threading.current_thread() and not t.is_alive()
+
+
 def test_cli_session_and_bad_flag(model_path):
     r = subprocess.run([sys.executable, "-m", "app", "chat", "--model", model_path, "--max-tokens", "6",
                         "--threads", "1"], input="Hi\n/stats\n/quit\n", capture_output=True, text=True, timeout=300)

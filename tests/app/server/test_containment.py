@@ -89,3 +89,28 @@ def test_e10_bad_requests_and_a_slot_fault_do_not_hurt_good_requests(server):
     with server.client() as c:
         assert all(not s["is_processing"] for s in c.get("/slots").json())
     print(f"METRIC E10 bad={bad} good=4 good_equal=4 faults=4 deaths=0")
+
+
+def test_the_server_sets_its_model_up_in_a_thread_that_ends(monkeypatch):
+    """Loading and the slots' caches run outside the caller's thread and the scheduler's, in a thread that
+    has ended when the server starts (engine.threads: a live thread that ran parallel regions slowed the
+    scheduler's compiled steps ~6x)."""
+    import app.commands.serve as serve_mod
+    from app.cli import build_parser
+
+    seen = []
+    real = serve_mod.load_model_as
+
+    def load(*a, **kw):
+        seen.append(threading.current_thread())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(serve_mod, "load_model_as", load)
+    state = serve_mod.build_state(build_parser().parse_args(
+        ["serve", "--model", str(fixture_path("models/tiny-qwen35-f32.gguf")), "--steps", "eager"]))
+    try:
+        (t,) = seen
+        assert t is not threading.current_thread() and not t.is_alive()
+        assert state.scheduler.backend.n_slots == 2 and state.scheduler.backend.cache.lengths == [0, 0]
+    finally:
+        state.scheduler.close()

@@ -551,3 +551,91 @@ def test_the_gil_changes_hands_often_while_a_worker_compiles():
         steps.close()
     assert seen == [(("main", None, 1), True)]
     assert sys.getswitchinterval() == saved
+
+
+def test_the_compile_worker_ends_when_its_queue_is_empty():
+    """Each thread that runs a parallel region keeps OpenMP threads of its own while it lives (see
+    engine.threads): the background compiler's thread ends once nothing is queued, and the next kind queued
+    starts another."""
+    import threading
+
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    steps = steps_mod.CompiledSteps(model, "test", background=True)
+    seen = []
+    steps._warm = lambda key, shape, args, fixed_rows: seen.append((key, threading.current_thread()))
+    try:
+        for n in (1, 2):
+            steps._jobs.put((("main", None, n), (1, 1), (), False))
+            steps._start_worker()
+            assert steps.drain(60)
+            worker = seen[-1][1]
+            worker.join(10)
+            assert not worker.is_alive() and steps._worker is None
+    finally:
+        steps.close()
+    assert [key for key, _ in seen] == [("main", None, 1), ("main", None, 2)]
+    assert seen[0][1] is not seen[1][1] and seen[0][1].name == "mtpchat-compile"
+
+
+# run in a fresh process: a thread of this one that ran parallel regions with several threads (the main
+# thread, in an earlier test) would slow the decoding thread's steps, which is what the test checks for
+_DECODING_THREAD = """
+import json, os, statistics, threading, time
+import torch
+from engine.model import ModelCache, load_model
+from engine.resources import default_model_path
+from engine.threads import in_passing_thread
+
+torch.set_num_threads(len(os.sched_getaffinity(0)))     # as the commands do, before anything else
+
+def build():      # the demo model: the fixtures' steps are too small for inductor to split over threads
+    m = load_model(default_model_path(), packed=True, min_packed=0)
+    m.compile_steps("compiled", background=True)
+    return m
+
+model = in_passing_thread(build)
+times = {}
+
+def decode():
+    cache = ModelCache(model.cfg, 1, 512)
+    tok = torch.tensor([[5]])
+    with torch.inference_mode():
+        model.forward(torch.arange(1, 20)[None], cache, [0], logits="last")
+        model.forward(tok, cache, [0], logits="all")           # queues the plain step's kind
+        assert model._steps.drain(600)
+        for n in (len(os.sched_getaffinity(0)), 1):           # every thread, then one
+            torch.set_num_threads(n)
+            ts = []
+            for _ in range(120):
+                t = time.perf_counter()
+                model.forward(tok, cache, [0], logits="all")
+                ts.append(time.perf_counter() - t)
+                cache.truncate(0, 19)
+            times[n] = statistics.median(ts[20:])
+
+t = threading.Thread(target=decode, name="decoding")
+t.start()
+t.join()
+model._steps.close()
+print(json.dumps({"times": times, "compiled": model._steps.n_compiled_calls}))
+"""
+
+
+@needs_cxx
+def test_a_compiled_step_in_a_decoding_thread_is_not_slowed_by_other_threads_openmp_teams():
+    """The server's and `chat`'s set-up (load, compile in the background) and their decoding (the scheduler's
+    thread) run in different threads. While another thread that ran parallel regions lived (the main thread
+    after loading, the compile worker), the decoding thread's compiled steps took ~6x as long as with one
+    thread (demo model, 2 vCPUs): OpenMP stopped spinning between parallel regions. Set up in a passing
+    thread, with the worker gone once its queue is empty, a step with all threads costs at most 2x a
+    one-thread step (on one CPU both are one-thread steps)."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _DECODING_THREAD], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout.strip().splitlines()[-1])
+    times = {int(n): t for n, t in doc["times"].items()}
+    assert doc["compiled"] >= 200, doc
+    assert max(times.values()) <= 2.0 * times[1], times
