@@ -60,6 +60,7 @@ class TerminalChat:
         f = open_gguf(model_path)
         self.tokenizer = Tokenizer.from_gguf(f)
         self.template = ChatTemplate.from_tokenizer_metadata(f.metadata, self.tokenizer)
+
         def build():
             # in a thread that ends before decoding starts (engine.threads): the scheduler's thread decodes
             model = load_model_as(f, weights, steps)

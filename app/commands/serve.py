@@ -123,6 +123,7 @@ def build_state(args: argparse.Namespace):
     template = ChatTemplate.from_tokenizer_metadata(f.metadata, tokenizer)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or (
         torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+
     def build():
         # in a thread that ends before decoding starts (engine.threads): the scheduler's thread decodes
         model = load_model_as(f, args.weights, args.steps, args.device, dtype)
