@@ -64,3 +64,18 @@ def fixtures_dir() -> Path:
     if not FIXTURES.is_dir():
         pytest.skip(f"MTPCHAT_FIXTURES={FIXTURES} does not exist")
     return FIXTURES
+
+
+def record_load_threads(monkeypatch, module) -> list:
+    """The threads `module.load_model_as` runs in from now on (a command module that loads a model)."""
+    import threading
+
+    seen = []
+    real = module.load_model_as
+
+    def load(*a, **kw):
+        seen.append(threading.current_thread())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, "load_model_as", load)
+    return seen

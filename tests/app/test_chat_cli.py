@@ -50,15 +50,9 @@ def test_the_model_is_set_up_in_a_thread_that_ends_before_decoding(model_path, m
     import threading
 
     import app.commands.chat as chat_mod
+    from tests.conftest import record_load_threads
 
-    seen = []
-    real = chat_mod.load_model_as
-
-    def load(*a, **kw):
-        seen.append(threading.current_thread())
-        return real(*a, **kw)
-
-    monkeypatch.setattr(chat_mod, "load_model_as", load)
+    seen = record_load_threads(monkeypatch, chat_mod)
     chat = _chat(model_path, "off")
     try:
         assert chat.reply("Hello there", io.StringIO())

@@ -97,15 +97,9 @@ def test_the_server_sets_its_model_up_in_a_thread_that_ends(monkeypatch):
     scheduler's compiled steps ~6x)."""
     import app.commands.serve as serve_mod
     from app.cli import build_parser
+    from tests.conftest import record_load_threads
 
-    seen = []
-    real = serve_mod.load_model_as
-
-    def load(*a, **kw):
-        seen.append(threading.current_thread())
-        return real(*a, **kw)
-
-    monkeypatch.setattr(serve_mod, "load_model_as", load)
+    seen = record_load_threads(monkeypatch, serve_mod)
     state = serve_mod.build_state(build_parser().parse_args(
         ["serve", "--model", str(fixture_path("models/tiny-qwen35-f32.gguf")), "--steps", "eager"]))
     try:
