@@ -511,12 +511,13 @@ class CompiledSteps:
             self._worker.start()
 
     def _next_job(self):
-        """The next queued job, or None when there is none (the worker then ends; see `_start_worker`)."""
+        """The next queued job, or None when there is none or `close()` asked (the worker then ends; see
+        `_start_worker`; after `close()` a later worker skips what is left)."""
         with self._worker_lock:
-            if self._jobs.empty():
+            job = None if self._jobs.empty() else self._jobs.get()
+            if job is None:
                 self._worker = None
-                return None
-            return self._jobs.get()
+            return job
 
     def close(self) -> None:
         """Drop the kinds still queued; the one compiling finishes (the worker then exits)."""
@@ -528,9 +529,6 @@ class CompiledSteps:
         while True:
             job = self._next_job()
             if job is None:
-                with self._worker_lock:
-                    if self._worker is threading.current_thread():   # close(): the next worker reads the rest
-                        self._worker = None
                 return
             if isinstance(job, threading.Event):
                 job.set()

@@ -97,9 +97,9 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
 
 
 def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, eos_ids, progress, clock) -> dict:
-    per: dict[str, dict] = {c.name: {"tps": [], "stats": SpecStats(), "plain_s": [], "verify_s": {},
-                                     "draft_s": [], "post_s": [], "cache_bytes": 0, "cuda_peak": 0, "fused": 0,
-                                     "by_run": {}}
+    # "tps": each kept run's decode tok/s by (repeat, prompt index)
+    per: dict[str, dict] = {c.name: {"tps": {}, "stats": SpecStats(), "plain_s": [], "verify_s": {},
+                                     "draft_s": [], "post_s": [], "cache_bytes": 0, "cuda_peak": 0, "fused": 0}
                             for c in configs}
     total, done = repeats * len(prompts) * len(configs), 0
     cuda = model.device.type == "cuda"
@@ -158,16 +158,16 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
                     steps.drain()
                     repeated += 1
                 _merge(per[cfg.name], run)
-                per[cfg.name]["by_run"][(rep, i)] = run["tps"]
+                per[cfg.name]["tps"][(rep, i)] = run["tps"]
                 done += 1
                 if progress is not None:
                     progress(done, total)
-    off_tps = _median(per["off"]["tps"]) if "off" in per else None
+    off_tps = _median(list(per["off"]["tps"].values())) if "off" in per else None
     off_step = _median(per["off"]["plain_s"]) if "off" in per else None
     rows = []
     for c in configs:
         acc = per[c.name]
-        tps = _median(acc["tps"])
+        tps = _median(list(acc["tps"].values()))
         st = acc["stats"]
         verify = {n: _median(v) for n, v in sorted(acc["verify_s"].items())}
         draft = _median(acc["draft_s"])
@@ -176,7 +176,7 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
             "decode_tps_median": tps,
             "ratio_to_off": tps / off_tps if tps and off_tps else None,
             # the same, prompt by prompt: each run against `off`'s run of that prompt in that repeat
-            "ratio_to_off_paired": paired_ratios(acc["by_run"], per["off"]["by_run"]) if "off" in per else None,
+            "ratio_to_off_paired": paired_ratios(acc["tps"], per["off"]["tps"]) if "off" in per else None,
             "accepted_per_position": st.accepted_per_position,
             "accept_rate": st.accept_rate,
             "mean_accepted_length": st.mean_accepted_length,
@@ -257,7 +257,6 @@ def _merge(acc: dict, run: dict) -> None:
     acc["fused"] += run["fused"]
     acc["cuda_peak"] = max(acc["cuda_peak"], run["cuda_peak"])
     acc["cache_bytes"] = max(acc["cache_bytes"], run["cache_bytes"])
-    acc["tps"].append(run["tps"])
     st, rs = acc["stats"], run["stats"]
     for f in ("rounds", "plain_steps", "drafted", "accepted"):
         setattr(st, f, getattr(st, f) + getattr(rs, f))
