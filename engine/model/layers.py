@@ -24,6 +24,11 @@ def set_row_products(on: bool) -> None:
     _row_products = on
 
 
+def row_products_set() -> bool:
+    """The value `set_row_products` last gave."""
+    return _row_products
+
+
 def in_row_products_graph() -> bool:
     """True while tracing a compiled CPU step with a fixed, small row count (`set_row_products`): there
     small products are written as reductions that inductor fuses into the step's loops instead of library

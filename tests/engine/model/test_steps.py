@@ -272,6 +272,55 @@ def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
     assert torch.equal(got[2], want[2]) and fast.steps_status[0] == "compiled"
 
 
+@needs_cxx
+def test_a_ready_kind_runs_compiled_while_the_worker_compiles_another():
+    """While the worker compiles (it holds the lock), a ready kind's graph runs directly, with the same result
+    as before; eager steps beside a compile wait for the GIL at every op (docs/benchmarks.md, thirty-second
+    session). Where the row-products flag (the worker's, while it traces) differs from the kind's, the call
+    runs eager, and the flag is left as the worker set it."""
+    path, ref_path = MODELS["dense"]
+    prompts = _prompts(get_ref(ref_path))[:1]
+    fast = load_model(fixture_path(path))
+    fast.compile_steps("compiled", background=True)
+    steps = fast._steps
+    cache = ModelCache(fast.cfg, 1, 64)
+    tok = torch.tensor([prompts[0]])
+    fast.forward(tok, cache, logits="none")
+    snap = [b.clone() for b in cache.buffers()]
+    args = _main_args(fast, cache, tok[:, -1:], 0)
+
+    def once():
+        for b, v in zip(cache.buffers(), snap, strict=True):
+            b.copy_(v)
+        return steps.main(*args)
+
+    try:
+        assert once() is None                 # queued; eager meanwhile
+        assert steps.drain(timeout=600)
+        want = [once() for _ in range(2)][-1]
+        assert want is not None and steps.n_direct_calls > 0
+        flag = layers.row_products_set()
+        assert steps._lock.acquire(timeout=60)  # as the worker does while it compiles another kind
+        try:
+            compiled, eager, direct = steps.n_compiled_calls, steps.n_eager_calls, steps.n_direct_calls
+            got = once()
+            assert got is not None
+            assert (steps.n_compiled_calls, steps.n_eager_calls, steps.n_direct_calls) == (compiled + 1, eager,
+                                                                                           direct + 1)
+            assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True))
+            layers.set_row_products(not flag)    # the worker traces a kind with the other flag
+            try:
+                assert once() is None
+                assert steps.n_eager_calls == eager + 1 and layers.row_products_set() is (not flag)
+            finally:
+                layers.set_row_products(flag)
+        finally:
+            steps._lock.release()
+        assert fast.steps_status[0] == "compiled"
+    finally:
+        steps.close()
+
+
 def test_each_slot_class_is_a_kind_of_its_own_compiled_in_the_background():
     """Dynamo specialises the ints 0 and 1, so a graph traced for slot 0 does not serve slot 1 (nor a start
     of 0 or 1 one traced at a later position): such a call must not find the other's kind ready and retrace
