@@ -19,14 +19,10 @@ _row_products = False  # set by engine.model.steps around compiled calls whose r
 
 def set_row_products(on: bool) -> None:
     """Say whether the graph about to be traced has a fixed, small number of rows per weight
-    multiply (engine.model.steps sets it per kind of compiled call; dynamo guards on the value)."""
+    multiply (engine.model.steps sets it per kind of compiled call, before tracing: a kind's graphs are
+    traced with one value, so they need no guard on it)."""
     global _row_products
     _row_products = on
-
-
-def row_products_set() -> bool:
-    """The value `set_row_products` last gave."""
-    return _row_products
 
 
 def in_row_products_graph() -> bool:

@@ -31,7 +31,7 @@ import torch
 
 from engine.errors import InputError, MtpchatError
 from engine.kernels import fused
-from engine.model.layers import ROW_PRODUCTS_MAX, row_products_set, set_row_products
+from engine.model.layers import ROW_PRODUCTS_MAX, set_row_products
 from engine.spec.modes import STEP_MODES
 
 log = logging.getLogger(__name__)
@@ -218,9 +218,13 @@ def _step1_rows(t: int, B: int, row_products: bool) -> int | bool:
     return t if row_products and B * (t - 1) <= ROW_PRODUCTS_MAX else t == 1
 
 
-# values a global guard keeps checking: plain data a module may set at run time (a flag such as
-# `layers._row_products`, a constant); guards on anything else global are guards on code
+# values a global guard keeps checking: plain data a module may set at run time (a flag, a constant);
+# guards on anything else global are guards on code
 _GUARDED_GLOBAL_VALUES = (bool, int, float, str, bytes, type(None), tuple, list, dict, set, frozenset)
+# the row-products flag is part of each kind (`_call` checks that a kind keeps one value) and each kind has a
+# code object of its own, so its graphs need no guard on it: the worker sets it while it traces, and a ready
+# kind's graph runs beside that whatever the flag then is (`_beside_compile`)
+_ROW_PRODUCTS_GUARD = "_dot_model_dot_layers']._row_products"
 
 
 def _guard_filter(entries) -> list[bool]:
@@ -232,7 +236,8 @@ def _guard_filter(entries) -> list[bool]:
     guards, several of them Python lambdas: checking a fused round's guards took 88 -> 56 us on the
     demo model (AMD EPYC), a plain step's 26 -> 18 us."""
     keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
-    return [k and (not e.is_global or isinstance(e.value, _GUARDED_GLOBAL_VALUES))
+    return [k and (not e.is_global or (isinstance(e.value, _GUARDED_GLOBAL_VALUES)
+                                       and not e.name.endswith(_ROW_PRODUCTS_GUARD)))
             for k, e in zip(keep, entries, strict=True)]
 
 
@@ -301,6 +306,7 @@ class CompiledSteps:
         self.model, self.why, self.background = model, why, background
         self._cpu = model.device.type == "cpu"
         self._fns: dict[tuple, object] = {}    # kind of call -> its compiled function
+        self._flags: dict[tuple, bool] = {}    # kind of call -> whether it is traced with per-row products
         # held by a compilation and by every compiled call: dynamo refuses a compiled call while another
         # thread traces ("FX to symbolically trace a dynamo-optimized function"), so while the worker
         # compiles, the decode thread runs eager instead of waiting
@@ -411,6 +417,8 @@ class CompiledSteps:
         """siblings() -> [(key, shape)]: kinds to queue along with this one (called only when queueing)."""
         if self._failed is not None:
             return None
+        if self._flags.setdefault(key, fixed_rows) != fixed_rows:
+            raise RuntimeError(f"compiled steps: kind {key[:4]} called with and without per-row products")
         if key not in self._ready and self.background:
             if key not in self._queued and not self._closed:
                 for kk, sh in [(key, tuple(shape)), *siblings()]:
@@ -423,7 +431,7 @@ class CompiledSteps:
         fn = self._fn(key)
         _mark_batch(key, args)
         if not self._lock.acquire(blocking=not self.background):
-            return self._beside_compile(key, args, fixed_rows)
+            return self._beside_compile(key, args)
         try:
             _dynamo_settings()       # a first call in this thread may trace (foreground) or retrace
             set_row_products(fixed_rows and self._cpu)
@@ -446,25 +454,24 @@ class CompiledSteps:
         finally:
             self._lock.release()
 
-    def _beside_compile(self, key: tuple, args: tuple, fixed_rows: bool):
+    def _beside_compile(self, key: tuple, args: tuple):
         """A call of a ready kind while the worker compiles another (it holds the lock): the kind's graph
-        runs directly, which needs neither dynamo's frame hook nor the lock, where its guards pass as things
-        stand; else None (eager). The row-products flag is the worker's to set while it traces (the graph
-        it traces reads it), so a call whose flag differs runs eager. Eager steps beside a compile wait for
+        runs directly, which needs neither dynamo's frame hook nor the lock, where its guards pass; else None
+        (eager). The row-products flag is the worker's while it traces (see `_ROW_PRODUCTS_GUARD`). Eager
+        steps beside a compile wait for
         the GIL at every torch op while the worker traces (dynamo, inductor's lowering): the demo model's plain
         step took 4.5 ms (median; p90 41 ms) eager beside a compile against 0.55 ms compiled alone, and 1.2
         ms (p90 2.4 ms) as a compiled call beside it (2-vCPU Xeon, docs/benchmarks.md, thirty-second session)."""
-        if row_products_set() == (fixed_rows and self._cpu):
-            try:
-                out = self._run_entry(key, args)
-            except MtpchatError:
-                raise
-            except Exception as exc:   # as in `_call`: the eager path runs the same math
-                self._fail(exc)
-                return None
-            if out is not None:
-                self.n_compiled_calls += 1
-                return out
+        try:
+            out = self._run_entry(key, args)
+        except MtpchatError:
+            raise
+        except Exception as exc:   # as in `_call`: the eager path runs the same math
+            self._fail(exc)
+            return None
+        if out is not None:
+            self.n_compiled_calls += 1
+            return out
         self.n_eager_calls += 1
         return None
 
@@ -607,7 +614,11 @@ class CompiledSteps:
         _mark_batch(key, call)
         with self._lock:
             set_row_products(fixed_rows and self._cpu)
-            self._fn(key)(m, *call)
+            fn = self._fn(key)
+            fn(m, *call)
+            # its graph, for calls while the worker compiles the next kinds (`_beside_compile`)
+            if self._direct:
+                self._entries[key] = _guarded_entries(fn)
 
     def _fail(self, exc: BaseException) -> None:
         if self._closed:        # interpreter shutdown stopped a compilation: nothing to report
