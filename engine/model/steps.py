@@ -67,6 +67,9 @@ def _dynamo_settings() -> None:
 # 37-71 s with pauses of 10-16 s between rounds, at 10 us 9.5-11 s with pauses under 5 s (2 vCPUs; the
 # twenty-second session in docs/benchmarks.md)
 _COMPILE_SWITCH_S = 1e-5
+# the compile worker's queue order (`CompiledSteps._put`): plain steps, other kinds, `drain()`'s events, then
+# `close()`'s end (the kinds still queued are skipped once it is called, and every waiting `drain()` returns)
+_PLAIN, _OTHER, _DRAIN, _CLOSE = range(4)
 _switch_lock = threading.Lock()
 _switch_users = 0
 _switch_saved = 0.0
@@ -313,7 +316,9 @@ class CompiledSteps:
         self._lock = threading.Lock()
         self._ready: set[tuple] = set()        # kinds of call compiled and warm
         self._queued: set[tuple] = set()
-        self._jobs: queue.Queue = queue.Queue()
+        # (priority, order, job): plain steps first (see `_put`), else in the order the kinds were met
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
         self._worker: threading.Thread | None = None
         self._worker_lock = threading.Lock()   # a worker leaves when the queue is empty; a job then starts one
         self._atexit = False
@@ -342,7 +347,7 @@ class CompiledSteps:
         if self._worker is None or not self._worker.is_alive():
             return True
         done = threading.Event()
-        self._jobs.put(done)
+        self._put(done, _DRAIN)
         self._start_worker()
         return done.wait(timeout)
 
@@ -424,7 +429,7 @@ class CompiledSteps:
                 for kk, sh in [(key, tuple(shape)), *siblings()]:
                     if kk not in self._queued and kk not in self._ready:
                         self._queued.add(kk)
-                        self._jobs.put((kk, sh, args, fixed_rows))
+                        self._put((kk, sh, args, fixed_rows))
                 self._start_worker()
             self.n_eager_calls += 1
             return None
@@ -538,11 +543,21 @@ class CompiledSteps:
                 self._atexit = True
             self._worker.start()
 
+    def _put(self, job, priority: int | None = None) -> None:
+        """Queue a job. Kinds of plain decode step (one token, `main`) come first: they carry every request
+        while the rest compile (a round whose kind is not ready runs eager, and `auto` measures it slow), so
+        on a cold start `serve --mtp auto` reached its compiled plain step after the MTP kinds its first
+        request met: ~50 s of eager steps on the 2-vCPU Xeon (docs/benchmarks.md, thirty-second session)."""
+        if priority is None:
+            key = job[0]
+            priority = _PLAIN if key[0] == "main" and key[2] == 1 and not key[4] else _OTHER
+        self._jobs.put((priority, next(self._order), job))
+
     def _next_job(self):
         """The next queued job, or None when there is none or `close()` asked (the worker then ends; see
         `_start_worker`; after `close()` a later worker skips what is left)."""
         with self._worker_lock:
-            job = None if self._jobs.empty() else self._jobs.get()
+            job = None if self._jobs.empty() else self._jobs.get()[2]
             if job is None:
                 self._worker = None
             return job
@@ -550,7 +565,7 @@ class CompiledSteps:
     def close(self) -> None:
         """Drop the kinds still queued; the one compiling finishes (the worker then exits)."""
         self._closed = True
-        self._jobs.put(None)
+        self._put(None, _CLOSE)
 
     def _work(self) -> None:
         _dynamo_settings()

@@ -601,12 +601,12 @@ def test_the_gil_changes_hands_often_while_a_worker_compiles():
     seen = []
     steps._warm = lambda key, shape, args, fixed_rows: seen.append((key, short()))
     try:
-        steps._jobs.put((("main", None, 1), (1, 1), (), False))
+        steps._put((("main", None, 1, "all", False), (1, 1), (), False))
         steps._start_worker()
         assert steps.drain(60)
     finally:
         steps.close()
-    assert seen == [(("main", None, 1), True)]
+    assert seen == [(("main", None, 1, "all", False), True)]
     assert sys.getswitchinterval() == saved
 
 
@@ -622,7 +622,7 @@ def test_the_compile_worker_ends_when_its_queue_is_empty():
     steps._warm = lambda key, shape, args, fixed_rows: seen.append((key, threading.current_thread()))
     try:
         for n in (1, 2):
-            steps._jobs.put((("main", None, n), (1, 1), (), False))
+            steps._put((("main", None, n, "all", False), (1, 1), (), False))
             steps._start_worker()
             assert steps.drain(60)
             worker = seen[-1][1]
@@ -630,8 +630,39 @@ def test_the_compile_worker_ends_when_its_queue_is_empty():
             assert not worker.is_alive() and steps._worker is None
     finally:
         steps.close()
-    assert [key for key, _ in seen] == [("main", None, 1), ("main", None, 2)]
+    assert [key for key, _ in seen] == [("main", None, 1, "all", False), ("main", None, 2, "all", False)]
     assert seen[0][1] is not seen[1][1] and seen[0][1].name == "mtpchat-compile"
+
+
+def test_the_worker_compiles_plain_steps_first_then_the_kinds_in_the_order_met():
+    """Plain decode steps carry every request while the rest compile, so their kinds go first; the others
+    keep the order they were met in; `drain()` waits for all of them, and `close()` skips what is left."""
+    import threading
+
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    steps = steps_mod.CompiledSteps(model, "test", background=True)
+    seen, go = [], threading.Event()
+    steps._warm = lambda key, shape, args, fixed_rows: go.wait(60) and seen.append(key)
+    mtp, verify = ("mtp", None, False, "none", 4), ("main", None, 4, "all", True)
+    plain, plain2 = ("main", None, 1, "all", False), ("main", None, 1, "all", False, 2)
+    rounds = [("round", None, t, 3, 4) for t in (1, 2)]
+    try:
+        for key in (mtp, rounds[0], verify, plain, rounds[1], plain2):
+            steps._put((key, (1, 1), (), False))
+        steps._start_worker()
+        go.set()
+        assert steps.drain(60)
+        assert seen == [plain, plain2, mtp, rounds[0], verify, rounds[1]]
+        go.clear()
+        steps._put((mtp, (1, 1), (), False))
+        steps._put((plain, (1, 1), (), False))
+        steps._start_worker()           # waits in the first warm-up until `go`
+        steps.close()
+        go.set()
+        assert steps.drain(60)
+        assert seen[6:] in ([plain], [])   # the one compiling when close() came finishes; the rest is skipped
+    finally:
+        steps.close()
 
 
 # run in a fresh process: a thread of this one that ran parallel regions with several threads (the main
