@@ -463,10 +463,10 @@ class CompiledSteps:
         """A call of a ready kind while the worker compiles another (it holds the lock): the kind's graph
         runs directly, which needs neither dynamo's frame hook nor the lock, where its guards pass; else None
         (eager). The row-products flag is the worker's while it traces (see `_ROW_PRODUCTS_GUARD`). Eager
-        steps beside a compile wait for
-        the GIL at every torch op while the worker traces (dynamo, inductor's lowering): the demo model's plain
-        step took 4.5 ms (median; p90 41 ms) eager beside a compile against 0.55 ms compiled alone, and 1.2
-        ms (p90 2.4 ms) as a compiled call beside it (2-vCPU Xeon, docs/benchmarks.md, thirty-second session)."""
+        steps beside a compile wait for the GIL at every torch op while the worker runs Python (dynamo,
+        inductor's lowering): the demo model's plain step took 4.5 ms (median; p90 41 ms) eager beside a
+        compile against 0.55 ms compiled alone, and 1.2 ms (p90 2.4 ms) as a compiled call beside it (2-vCPU
+        Xeon, docs/benchmarks.md, thirty-second session)."""
         try:
             out = self._run_entry(key, args)
         except MtpchatError:
