@@ -275,9 +275,9 @@ def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
 
 @needs_cxx
 def test_a_ready_kind_runs_compiled_while_the_worker_compiles_another():
-    """While the worker compiles (it holds the lock), a ready kind's graph runs directly, with the same result
-    as before; eager steps beside a compile wait for the GIL at every op (docs/benchmarks.md, thirty-second
-    session), whatever the row-products flag the worker set for its own trace (the call leaves it as it is)."""
+    """While the worker compiles (it holds the lock), a ready kind's graph runs directly, whatever row-products
+    flag the worker set for its own trace (the call leaves it as it is), and gives what the call under the lock
+    gives. Eager steps beside a compile wait for the GIL at every op (docs/benchmarks.md, thirty-second session)."""
     path, ref_path = MODELS["dense"]
     prompts = _prompts(get_ref(ref_path))[:1]
     fast = load_model(fixture_path(path))
