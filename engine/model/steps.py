@@ -226,7 +226,7 @@ def _step1_rows(t: int, B: int, row_products: bool) -> int | bool:
 _GUARDED_GLOBAL_VALUES = (bool, int, float, str, bytes, type(None), tuple, list, dict, set, frozenset)
 # the row-products flag is part of each kind (`_call` checks that a kind keeps one value) and each kind has a
 # code object of its own, so its graphs need no guard on it: the worker sets it while it traces, and a ready
-# kind's graph runs beside that whatever the flag then is (`_beside_compile`)
+# kind's graph runs beside that whatever the flag then is (`_call`)
 _ROW_PRODUCTS_GUARD = "_dot_model_dot_layers']._row_products"
 
 
@@ -435,19 +435,29 @@ class CompiledSteps:
             return None
         fn = self._fn(key)
         _mark_batch(key, args)
-        if not self._lock.acquire(blocking=not self.background):
-            return self._beside_compile(key, args)
+        # Without the lock (the worker holds it while it compiles another kind) a ready kind's graph still runs
+        # directly, which needs neither dynamo's frame hook nor the lock, where its guards pass; else the call
+        # runs eager. The row-products flag is then the worker's, for its trace (see `_ROW_PRODUCTS_GUARD`).
+        # Eager steps beside a compile wait for the GIL at every torch op while the worker runs Python
+        # (dynamo, inductor's lowering): the demo model's plain step took 4.5 ms (median; p90 41 ms) eager
+        # beside a compile against 0.55 ms compiled alone, and 1.2 ms (p90 2.4 ms) as a compiled call beside
+        # it (2-vCPU Xeon, docs/benchmarks.md, thirty-second session).
+        locked = self._lock.acquire(blocking=not self.background)
         try:
-            _dynamo_settings()       # a first call in this thread may trace (foreground) or retrace
-            set_row_products(fixed_rows and self._cpu)
+            if locked:
+                _dynamo_settings()       # a first call in this thread may trace (foreground) or retrace
+                set_row_products(fixed_rows and self._cpu)
             out = self._run_entry(key, args)
-            if out is None:
+            if out is None and locked:
                 out = fn(self.model, *args)
                 # the graphs dynamo now holds (a first call, or a recompile: its guards had failed); not read
                 # again where this torch gave none usable or they could not be checked
                 known = self._entries.get(key)
                 if self._direct and (known is None or known):
                     self._entries[key] = _guarded_entries(fn)
+            if out is None:              # beside a compile, where no graph's guards passed
+                self.n_eager_calls += 1
+                return None
             self._ready.add(key)
             self.n_compiled_calls += 1
             return out
@@ -457,28 +467,8 @@ class CompiledSteps:
             self._fail(exc)
             return None
         finally:
-            self._lock.release()
-
-    def _beside_compile(self, key: tuple, args: tuple):
-        """A call of a ready kind while the worker compiles another (it holds the lock): the kind's graph
-        runs directly, which needs neither dynamo's frame hook nor the lock, where its guards pass; else None
-        (eager). The row-products flag is the worker's while it traces (see `_ROW_PRODUCTS_GUARD`). Eager
-        steps beside a compile wait for the GIL at every torch op while the worker runs Python (dynamo,
-        inductor's lowering): the demo model's plain step took 4.5 ms (median; p90 41 ms) eager beside a
-        compile against 0.55 ms compiled alone, and 1.2 ms (p90 2.4 ms) as a compiled call beside it (2-vCPU
-        Xeon, docs/benchmarks.md, thirty-second session)."""
-        try:
-            out = self._run_entry(key, args)
-        except MtpchatError:
-            raise
-        except Exception as exc:   # as in `_call`: the eager path runs the same math
-            self._fail(exc)
-            return None
-        if out is not None:
-            self.n_compiled_calls += 1
-            return out
-        self.n_eager_calls += 1
-        return None
+            if locked:
+                self._lock.release()
 
     def _run_entry(self, key: tuple, args: tuple):
         """The result of the first of the kind's graphs whose guards pass for these arguments (the one
@@ -631,7 +621,7 @@ class CompiledSteps:
             set_row_products(fixed_rows and self._cpu)
             fn = self._fn(key)
             fn(m, *call)
-            # its graph, for calls while the worker compiles the next kinds (`_beside_compile`)
+            # its graph, for calls while the worker compiles the next kinds (`_call`)
             if self._direct:
                 self._entries[key] = _guarded_entries(fn)
 
