@@ -509,6 +509,14 @@ class CompiledSteps:
                 # (a k = 3 round of the demo model made ~210, now 12): rounds ~8 % faster on the AMD EPYC,
                 # compiling ~4 % slower (docs/benchmarks.md, twenty-first session)
                 opts["memory_planning"] = True
+                # the kernels and the graph's host code as two translation units, the host code at -O2 (inductor's
+                # default for it, -O1, made rounds ~2 % slower), not one unit at -O3: from an empty cache the demo
+                # model's k = 3 kinds compiled in ~0.6x the time (303 s against 500 s; a round kind 49-57 s
+                # against 80-90 s), with its rounds as fast (2-vCPU Xeon, docs/benchmarks.md, thirty-third session)
+                from torch._inductor import config as inductor_config
+                if hasattr(inductor_config, "cpp_wrapper_build_separate"):
+                    opts["cpp_wrapper_build_separate"] = True
+                    opts["aot_inductor.compile_wrapper_opt_level"] = "O2"
             fn = torch.compile(_fresh(step, f"mtpchat_{key[0]}_step_{next(_ids)}"), dynamic=True, options=opts or None)
             self._fns[key] = fn
         return fn
