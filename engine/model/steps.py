@@ -510,9 +510,9 @@ class CompiledSteps:
                 # compiling ~4 % slower (docs/benchmarks.md, twenty-first session)
                 opts["memory_planning"] = True
                 # the kernels and the graph's host code as two translation units, the host code at -O2 (inductor's
-                # default for it, -O1, made rounds ~2 % slower), not one unit at -O3: from an empty cache the demo
-                # model's k = 3 kinds compiled in ~0.6x the time (303 s against 500 s; a round kind 49-57 s
-                # against 80-90 s), with its rounds as fast (2-vCPU Xeon, docs/benchmarks.md, thirty-third session)
+                # default for it, -O1, made rounds ~2 % slower), not one unit at -O3: from an empty cache a kind of
+                # round of the demo model compiled in ~0.75x the time (61-66 s against 80-90 s side by side, host at
+                # -O1; -O2 took 1.04x -O1), its rounds as fast (2-vCPU Xeon, docs/benchmarks.md, thirty-third session)
                 from torch._inductor import config as inductor_config
                 if hasattr(inductor_config, "cpp_wrapper_build_separate"):
                     opts["cpp_wrapper_build_separate"] = True

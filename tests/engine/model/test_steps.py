@@ -389,7 +389,7 @@ def test_guard_filter_keeps_guards_on_data_and_drops_those_on_code():
 @needs_cxx
 def test_a_graphs_kernels_and_host_code_compile_apart(monkeypatch):
     """On CPU a kind's kernels and its C++ host code are two translation units, the host code at
-    -O2 (the kernels -O3): the demo model's kinds of round compiled in ~0.6x the time."""
+    -O2 (the kernels -O3): a kind of round of the demo model compiled in ~0.75x the time."""
     from torch._inductor import codecache, config
     if not hasattr(config, "cpp_wrapper_build_separate"):
         pytest.skip("this torch builds a graph's kernels and host code as one unit")
