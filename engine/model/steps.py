@@ -514,7 +514,8 @@ class CompiledSteps:
                 # round of the demo model compiled in ~0.75x the time (61-66 s against 80-90 s side by side, host at
                 # -O1; -O2 took 1.04x -O1), its rounds as fast (2-vCPU Xeon, docs/benchmarks.md, thirty-third session)
                 from torch._inductor import config as inductor_config
-                if hasattr(inductor_config, "cpp_wrapper_build_separate"):
+                if hasattr(inductor_config, "cpp_wrapper_build_separate") and hasattr(
+                        inductor_config.aot_inductor, "compile_wrapper_opt_level"):   # an option unknown fails the compile
                     opts["cpp_wrapper_build_separate"] = True
                     opts["aot_inductor.compile_wrapper_opt_level"] = "O2"
             fn = torch.compile(_fresh(step, f"mtpchat_{key[0]}_step_{next(_ids)}"), dynamic=True, options=opts or None)
