@@ -393,12 +393,15 @@ class Qwen35Model(nn.Module):
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.rope_theta)
         if kept and (logits == "none" or queued):
             # the rows' keys and values depend on the block's input only; for a cache commit (prompt warm-up,
-            # plain-step sync, accepted drafts) they are all it keeps
-            blk.mixer.write_kv(blk.attn_norm(u), cos, sin, kv)
+            # plain-step sync, accepted drafts) they are all it keeps. A chain's step 1 stores its rows at their
+            # positions (not as one slice): padding rows go after the pending row's position (`draft_chain`)
+            w = KVView(kv.k, kv.v, slot_idx, positions, n_keys) if queued else kv
+            blk.mixer.write_kv(blk.attn_norm(u), cos, sin, w)
             if logits == "none":
                 return None, None
         if queued:
-            last = None if single is None else (single[0], single[1] + tokens.shape[1] - 1)
+            # the pending row, last, at the last position step 1 keeps (n_keys = the cache rows it attends to)
+            last = None if single is None else (single[0], n_keys - 1)
             kv = KVView(kv.k, kv.v, slot_idx, positions[:, -1:], n_keys, last, stored=True)
             u, cos, sin = u[:, -1:], cos[:, -1:], sin[:, -1:]
         if twin is not None:
@@ -418,18 +421,37 @@ class Qwen35Model(nn.Module):
             lg = self.head(rows, vocab)
         return hm, lg
 
+    def step1_rows(self, k: int) -> int:
+        """The length one sequence's draft step 1 (queued entries and the pending token) is padded to for a
+        chain of k drafts, 0 for none (eager steps): see `step1_pad`."""
+        return 0 if self._steps is None else self._steps.step1_rows(k)
+
+    def step1_pad(self, cache: ModelCache, slot: int, t: int, k: int) -> int:
+        """How many padding rows one sequence's chain of k drafts in `slot` should add to its step 1 of t rows:
+        with compiled steps each step-1 length is a graph of its own (a compile of ~50 s on 2 vCPUs), padded
+        to one length (`step1_rows`) a request meets one per k. Callers put the padding rows (any token and
+        hidden row: the pending one's) just before the pending row and pass `pad` to `draft_chain` /
+        `draft_and_verify`. 0 where nothing is gained (eager steps, t longer than that length) or where the
+        rows' positions would pass the cache's end."""
+        n = self.step1_rows(k)
+        if not t <= n or cache.mtp_lengths[slot] + n - 1 >= cache.n_ctx:
+            return 0
+        return n - t
+
     def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
-                    k: int, *, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    k: int, *, block: int | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """k greedy MTP drafts per row in one call (spec §2): step 1 runs over the rows (token i, hidden
         i) of tokens [B, T] / hidden [B, T, E] (queued cache entries, then the pending token and its
         carry) with the head on the last row only; steps 2..k each take the previous draft and MTP
         hidden. Argmax stays on the device. Returns drafts [B, k] (long) and the last MTP hidden [B, 1, E].
         Step 1's T rows are written to the MTP cache (`cache.mtp_lengths` advances by T); steps 2..k
         attend to them and to each other's rows without writing the cache (scratch rows, see `KVView`).
-        With compiled steps the whole chain is one graph (one call instead of k)."""
+        With compiled steps the whole chain is one graph (one call instead of k).
+        pad: one sequence's rows T - 1 - pad .. T - 2 are padding (`step1_pad`): written after the pending
+        row's position, not kept (`cache.mtp_lengths` advances by T - pad)."""
         n = self._chain_block(k, block)
         B, T = tokens.shape
-        slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T + k - 1, cache.mtp_lengths)
+        slots, slot_idx, positions, n_keys, single = self._step1_slots(cache, slots, B, T, k, pad)
         args = (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n)
         res = None
         if self._steps is not None and T + k - 1 <= STEP_MAX_T:
@@ -437,8 +459,24 @@ class Qwen35Model(nn.Module):
         if res is None:
             res = self._chain(*args)
         for s in slots:
-            cache.mtp_lengths[s] += T
+            cache.mtp_lengths[s] += T - pad
         return res
+
+    def _step1_slots(self, cache: ModelCache, slots: list[int], B: int, T: int, k: int, pad: int) -> tuple:
+        """`_slots` for a chain of k drafts whose step 1 has T rows, `pad` of them padding (one sequence). The
+        padding rows take the positions after the pending row's: the chain's steps 2..k attend only to the
+        cache rows up to the pending one, and the rows after it are written again before they are read."""
+        if pad == 0:
+            return self._slots(cache, slots, B, T + k - 1, cache.mtp_lengths)
+        if B != 1 or not 0 < pad < T:
+            raise ValueError(f"padding rows: {pad} of a step 1 of {T} rows for {B} sequences")
+        slots, slot_idx, _, n_keys, single = self._slots(cache, slots, B, T - pad + k - 1, cache.mtp_lengths)
+        start = single[1]
+        P = start + T - pad - 1                  # the pending row's position
+        if P + pad >= cache.n_ctx:
+            raise InputError(f"context: padding rows past the cache size n_ctx={cache.n_ctx}")
+        rows = [*range(start, P), *range(P + 1, P + 1 + pad), *range(P, P + k)]
+        return slots, slot_idx, torch.tensor([rows], dtype=torch.long, device=self.device), n_keys, single
 
     def _chain_block(self, k: int, block: int | None) -> int:
         """The nextn block a chain of k drafts runs (checks the model has one and k >= 1)."""
@@ -473,18 +511,18 @@ class Qwen35Model(nn.Module):
         return out, hid
 
     def draft_and_verify(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
-                         k: int, *, chunk: int = 64, block: int | None = None
+                         k: int, *, chunk: int = 64, block: int | None = None, pad: int = 0
                          ) -> tuple[torch.Tensor, ForwardOutput, torch.Tensor]:
         """A greedy speculative round's tensor work in one call: `draft_chain` (k drafts from tokens [B, T] /
         hidden [B, T, E], the last row being the pending token s0 and its carry), then the verification
         `forward` of [s0, d1..dk] (all logits, per-step GDN states) and its argmax. Returns drafts [B, k],
         the verification's ForwardOutput and the target tokens [B, k+1] (long, on the device).
-        `cache.mtp_lengths` advances by T and `cache.lengths` by k + 1, as the two calls would.
-        With compiled steps this is one graph: a round pays one call's host overhead instead of two
-        plus the eager glue between them (demo model: see docs/benchmarks.md)."""
+        `cache.mtp_lengths` advances by T - pad (padding rows: see `draft_chain`) and `cache.lengths` by k + 1,
+        as the two calls would. With compiled steps this is one graph: a round pays one call's host overhead
+        instead of two plus the eager glue between them (demo model: see docs/benchmarks.md)."""
         n = self._chain_block(k, block)
         B, T = tokens.shape
-        slots, slot_idx, c_pos, c_keys, c_single = self._slots(cache, slots, B, T + k - 1, cache.mtp_lengths)
+        slots, slot_idx, c_pos, c_keys, c_single = self._step1_slots(cache, slots, B, T, k, pad)
         _, _, m_pos, m_keys, m_single = self._slots(cache, slots, B, k + 1, cache.lengths)
         args = (tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single, k, n, chunk)
         res = None
@@ -493,7 +531,7 @@ class Qwen35Model(nn.Module):
         if res is None:
             res = self._round(*args)
         for s in slots:
-            cache.mtp_lengths[s] += T
+            cache.mtp_lengths[s] += T - pad
             cache.lengths[s] += k + 1
         drafts, h, h_final, lg, conv, ssm, target = res
         return drafts, ForwardOutput(h, h_final, lg, GDNSteps(slots, k + 1, conv, ssm)), target

@@ -36,6 +36,9 @@ from engine.spec.modes import STEP_MODES
 
 log = logging.getLogger(__name__)
 
+# a single sequence's draft step 1 is padded to at least this many rows: the adaptive gate's 4 baseline
+# plain steps (spec §5.1) and the pending token (`CompiledSteps.step1_rows`)
+STEP1_MIN_ROWS = 5
 _RECOMPILE_LIMIT = 64      # per code object (one per kind of call; shape specialisations recompile)
 _SCRATCH_START = 23        # scratch cache length before a warm-up call (not 0/1, not a model dimension)
 _ids = itertools.count()
@@ -386,9 +389,11 @@ class CompiledSteps:
                     cache.kv_dtype, self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
 
         # the lengths a round's step 1 usually has (the last round's accepted drafts + the pending token)
-        # compile together, so a request does not meet a new kind of chain at every new acceptance count
+        # compile together, so a request does not meet a new kind of chain at every new acceptance count: for
+        # one sequence they are one length, padded (`step1_rows`)
         def siblings() -> list:
-            return [(key(t), (1, t)) for t in range(1, min(k + 1, ROW_PRODUCTS_MAX) + 1) if t != T] if fixed else []
+            ts = [self.step1_rows(k)] if B == 1 else range(1, k + 2)
+            return [(key(t), (B, t)) for t in ts if 0 < t <= ROW_PRODUCTS_MAX and t != T] if fixed else []
 
         return self._call(key(T), (tokens, hidden, cache, slot_idx, positions, n_keys, single, k, n), tokens.shape,
                           fixed or batch > 0, siblings)
@@ -411,12 +416,25 @@ class CompiledSteps:
                     self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
 
         # the lengths step 1 usually has (the last round's accepted drafts + the pending token) compile
-        # together; a longer one (a plain-step backlog) is queued when it first comes
+        # together (for one sequence one length, padded: `step1_rows`); a longer one (a plain-step backlog)
+        # is queued when it first comes
         def siblings() -> list:
-            return [(key(t), (B, t)) for t in range(1, k + 2) if key(t) != key(T)] if fixed else []
+            ts = [self.step1_rows(k)] if B == 1 else range(1, k + 2)
+            return [(key(t), (B, t)) for t in ts if t > 0 and key(t) != key(T)] if fixed else []
 
         return self._call(key(T), (tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single,
                                    k, n, chunk), tokens.shape, fixed, siblings)
+
+    @staticmethod
+    def step1_rows(k: int) -> int:
+        """The length one sequence's chain (or round) of k drafts pads its step 1 to (see
+        `Qwen35Model.step1_pad`), 0 for none. Where step 1's rows take per-row products its length is part of
+        the kind, a graph of its own: padded, a chain of k drafts is one kind instead of one per count of
+        queued entries (the last round's accepted drafts, 0..k). At least STEP1_MIN_ROWS rows, so the
+        adaptive gate's baseline steps ride along in its first round. A padding row costs its keys and
+        values only (a `write_kv` row)."""
+        n = max(k + 1, STEP1_MIN_ROWS)
+        return n if n <= ROW_PRODUCTS_MAX else 0
 
     def _call(self, key, args, shape, fixed_rows: bool, siblings=list):
         """siblings() -> [(key, shape)]: kinds to queue along with this one (called only when queueing)."""

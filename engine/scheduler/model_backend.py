@@ -371,10 +371,11 @@ class ModelBackend(SlotBackend):
         spec = [i for i in range(B) if ks[i] > 0]
         spec_slots = [slots[i] for i in spec]
         # one drafting slot: its queued MTP entries (the last round's accepted drafts, plain steps) ride
-        # along in draft step 1 when there are at most K of them (one compiled chain per step-1 length).
+        # along in draft step 1 when its padded length holds them (`Qwen35Model.step1_pad`), or at most K.
         # Else they are written first, outside the round's timer: that is the plain steps' MTP sync (a probe
         # after a run of plain steps writes up to 255 of them), not a cost of drafting that policies should see
-        ride = len(spec) == 1 and len(self.slots[spec_slots[0]].mtp_queue_tokens) <= K
+        ride = (len(spec) == 1 and len(self.slots[spec_slots[0]].mtp_queue_tokens)
+                <= max(K, self.model.step1_rows(K) - 1))
         self._flush_mtp([] if ride else spec_slots)
         t0 = time.perf_counter()
         s0_host = [self.slots[s].run.pending for s in slots]
@@ -389,18 +390,24 @@ class ModelBackend(SlotBackend):
         targets = out = None
         if spec and all(ks[i] == K for i in spec):
             # every drafting slot drafts K: the whole chain in one call (one compiled graph)
+            pad = 0
             if ride:
+                # padded to one of a few step-1 lengths (one compiled graph each; `Qwen35Model.step1_pad`): the
+                # padding rows (the pending token and its carry) go before the pending row
                 st = self.slots[spec_slots[0]]
-                x = torch.tensor([[*st.mtp_queue_tokens, s0_host[spec[0]]]], dtype=torch.long, device=dev)
-                hid = torch.stack([*st.mtp_queue_hidden, st.carry])[None]
+                pad = self.model.step1_pad(self.cache, spec_slots[0], len(st.mtp_queue_tokens) + 1, K)
+                x = torch.tensor([[*st.mtp_queue_tokens, *[s0_host[spec[0]]] * (pad + 1)]], dtype=torch.long,
+                                 device=dev)
+                hid = torch.stack([*st.mtp_queue_hidden, *[st.carry] * (pad + 1)])[None]
                 st.mtp_queue_tokens, st.mtp_queue_hidden = [], []
             else:
                 x = s0[spec]
                 hid = torch.stack([self.slots[s].carry for s in spec_slots])[:, None]
             if fused:
-                d, out, targets = self.model.draft_and_verify(x, hid, self.cache, slots, K, chunk=self.delta_chunk)
+                d, out, targets = self.model.draft_and_verify(x, hid, self.cache, slots, K, chunk=self.delta_chunk,
+                                                              pad=pad)
             else:
-                d[spec], _ = self.model.draft_chain(x, hid, self.cache, spec_slots, K)
+                d[spec], _ = self.model.draft_chain(x, hid, self.cache, spec_slots, K, pad=pad)
             for i in spec:
                 self.cache.truncate_mtp(slots[i], P[i] + 1)  # keep E(P) of step 1, drop the chain's scratch
         elif spec:

@@ -18,7 +18,6 @@ import torch
 
 from engine.errors import InputError
 from engine.model import ModelCache, Qwen35Model, shift_hidden
-from engine.model.model import STEP_MAX_T
 from engine.sampling import Sampler, SamplingParams
 from engine.spec.events import RoundEvent, SpecStats
 from engine.spec.gate import AdaptiveGate, Decision, DraftController, FixedPolicy, RoundTiming
@@ -272,18 +271,17 @@ class SpecDecoder:
         m, cache, opt = self.model, self.cache, self.opt
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
-        # a greedy round drafts and verifies in one compiled call (see `fused` below), whose step 1 takes any
-        # length (a compiled kind per length): one sequence's whole backlog rides along while the call fits
-        # STEP_MAX_T rows
+        # a greedy round drafts and verifies in one compiled call (see `fused` below)
         fusable = (m.steps_status[0] == "compiled" and opt.draft_hook is None and opt.rollback == "per_step"
                    and all(s.sampler.params.greedy for s in seqs))
-        backlog_max = STEP_MAX_T - k if fusable and len(seqs) == 1 else k
+        # draft step 1 writes the queued entries (the last round's accepted drafts, a few plain steps' entries):
+        # up to k, or for one sequence as many as its padded step 1 holds (one compiled graph per k:
+        # `Qwen35Model.step1_pad`)
+        backlog_max = max(k, m.step1_rows(k) - 1) if len(seqs) == 1 else k
         for s in seqs:
             if len(s.mtp_queue) > backlog_max:
-                # else draft step 1 writes up to k queued entries (the last round's accepted drafts): one
-                # compiled chain per step-1 length 1..k+1. A longer backlog (plain-step entries) is
-                # written outside the round's timer: it is the plain steps' MTP sync (paid whatever k
-                # is), not a cost of drafting that policies should see
+                # a longer backlog (plain-step entries) is written outside the round's timer: it is the plain
+                # steps' MTP sync (paid whatever k is), not a cost of drafting that policies should see
                 t = self.opt.clock()
                 self._flush_mtp(s)
                 s.decode_s += self.opt.clock() - t
@@ -302,14 +300,17 @@ class SpecDecoder:
         fused = fusable and len(by_len) == 1
         out = targets = None
         for idx in by_len.values():
-            x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] for i in idx], dtype=torch.long,
+            # one sequence's step 1 is padded to one of a few lengths (one compiled graph each): padding rows
+            # (the pending token and its carry) go before the pending row (`Qwen35Model.step1_pad`)
+            pad = m.step1_pad(cache, seqs[idx[0]].slot, len(seqs[idx[0]].mtp_queue) + 1, k) if len(idx) == 1 else 0
+            x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] * (pad + 1) for i in idx], dtype=torch.long,
                              device=m.device)
-            hin = [self._queue_hidden(seqs[i], with_carry=True) for i in idx]
+            hin = [self._queue_hidden(seqs[i], with_carry=True, pad=pad) for i in idx]
             hin = hin[0][None] if len(hin) == 1 else torch.stack(hin)
             if fused:
-                d, out, targets = m.draft_and_verify(x, hin, cache, slots, k, chunk=opt.delta_chunk)
+                d, out, targets = m.draft_and_verify(x, hin, cache, slots, k, chunk=opt.delta_chunk, pad=pad)
             else:
-                dr, _ = m.draft_chain(x, hin, cache, [slots[i] for i in idx], k)
+                dr, _ = m.draft_chain(x, hin, cache, [slots[i] for i in idx], k, pad=pad)
                 for j, i in enumerate(idx):
                     d_rows[i] = dr[j]
             for i in idx:
@@ -405,10 +406,11 @@ class SpecDecoder:
                 self._flush_mtp(s)
 
     @staticmethod
-    def _queue_hidden(s: _Seq, with_carry: bool = False) -> torch.Tensor:
-        """The queued entries' hidden rows [n, E], then the carry's with_carry."""
-        blocks = s.mtp_queue_hidden + [s.carry[None]] if with_carry else s.mtp_queue_hidden
-        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    def _queue_hidden(s: _Seq, with_carry: bool = False, pad: int = 0) -> torch.Tensor:
+        """The queued entries' hidden rows [n, E], then the carry's with_carry (pad + 1 times: padding rows)."""
+        carry = s.carry[None] if pad == 0 else s.carry[None].expand(pad + 1, -1)
+        blocks = s.mtp_queue_hidden + [carry] if with_carry else s.mtp_queue_hidden
+        return blocks[0].contiguous() if len(blocks) == 1 else torch.cat(blocks)
 
     def _flush_mtp(self, s: _Seq) -> None:
         """Write the queued plain-step entries E(q) = (x_q, h(q-1)) in one MTP pass without the head."""

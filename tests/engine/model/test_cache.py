@@ -231,6 +231,57 @@ def test_draft_chain_equals_step_by_step_drafting(model, queued, monkeypatch):
         assert not caches[1].mtp_k[n_mtp][s, n:].any()      # nothing written past step 1
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_padded_step_one_drafts_and_keeps_what_the_unpadded_one_does(model, fused):
+    """One sequence's draft step 1 padded to a fixed length (`step1_pad`: one compiled graph per k instead of
+    one per count of queued entries): padding rows just before the pending row, written after its position,
+    change neither the drafts, the verification nor the MTP cache's rows up to it, and the next round, which
+    writes over them, drafts the same. The rows are stored in one store (see `Qwen35Model._mtp`)."""
+    k, n = 3, 6
+    n_mtp = model.cfg.nextn_blocks[0]
+    for queued in range(k + 1):
+        T, pad = queued + 1, n - queued - 1
+        t = _text(20, 700 + 10 * queued)
+        runs = []
+        for p in (0, pad):
+            cache, h = _prompt_cache(model, t[:, :20 - queued])
+            cache.truncate_mtp(0, cache.mtp_lengths[0] - queued)       # the last `queued` entries still queued
+            # padding rows of any content (the decoder pads with the pending row's)
+            g = torch.Generator().manual_seed(queued)
+            hh = torch.cat([h[:, -T:], torch.randn(1, p, h.shape[-1], generator=g)], dim=1)
+            rows = torch.cat([t[:, 20 - queued - T:20 - queued], torch.randint(0, 100, (1, p), generator=g)], dim=1)
+            # the padding rows go before the pending row (the last): rows [queued..., pad..., pending]
+            rows = torch.cat([rows[:, :T - 1], rows[:, T:], rows[:, T - 1:T]], dim=1)
+            hh = torch.cat([hh[:, :T - 1], hh[:, T:], hh[:, T - 1:T]], dim=1)
+            P = cache.mtp_lengths[0] + T - 1
+            if fused:
+                d, out, target = model.draft_and_verify(rows, hh, cache, [0], k, pad=p)
+            else:
+                d, last = model.draft_chain(rows, hh, cache, [0], k, pad=p)
+                out, target = None, last
+            assert cache.mtp_lengths[0] == P + 1
+            lengths = cache.lengths[0]
+            # the next round: the pending token's hidden row after a rejected round, step 1 of one row
+            cache.truncate(0, P + 1)
+            cache.truncate_mtp(0, P + 1)
+            h2 = out.hidden[:, :1] if fused else h[:, -1:]
+            d2, last2 = model.draft_chain(d[:, :1], h2, cache, [0], k)
+            runs.append((d, out, target, d2, last2, cache, lengths))
+        (d, out, target, d2, h2, c0, n0), (pd, pout, ptarget, pd2, ph2, c1, n1) = runs
+        assert torch.equal(d, pd) and torch.equal(d2, pd2) and n0 == n1, queued
+        assert torch.allclose(h2, ph2, **TIGHT)
+        if fused:
+            assert torch.equal(target, ptarget) and torch.allclose(out.logits, pout.logits, **TIGHT)
+        else:
+            assert torch.allclose(target, ptarget, **TIGHT)        # the chain's last MTP hidden row
+        L = c0.mtp_lengths[0]
+        assert c1.mtp_lengths[0] == L
+        assert torch.allclose(c1.mtp_k[n_mtp][0, :L], c0.mtp_k[n_mtp][0, :L], **TIGHT)
+        assert torch.allclose(c1.mtp_v[n_mtp][0, :L], c0.mtp_v[n_mtp][0, :L], **TIGHT)
+    with pytest.raises(ValueError, match="padding rows"):
+        model.draft_chain(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, model.cfg.n_embd), c0, [0], k, pad=2)
+
+
 def _prompt_cache(model, t: torch.Tensor):
     """A one-slot cache holding the prompt t [1, T] in the main model and E(0..T-2) in the MTP cache, and the
     shifted hidden rows (the carry of the pending last token is h[:, -1:])."""

@@ -562,11 +562,12 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in):
     assert not symbolic, symbolic
 
 
-def test_every_step_one_length_of_a_round_compiles_in_the_worker(traced_in):
+def test_every_step_one_length_of_a_round_runs_as_one_kind_the_worker_compiles(traced_in):
     """A fused round's step 1 takes T rows (the pending token and the queued MTP entries: 1..k+1 after a
-    round). Each T traces as a graph of its own (its row counts are constants), so each is a kind the
-    background worker compiles; before, T = 3.. recompiled in the decoding thread, which waited (demo model:
-    60-72 s each with an empty inductor cache)."""
+    round). Each length traces as a graph of its own (its row counts are constants); padded to one length
+    (`step1_pad`), every T runs as one kind, which the background worker compiles while the calls run eager
+    (before the padding each T was a kind of its own, and before the worker compiled them, T = 3.. recompiled
+    in the decoding thread, which waited: demo model 60-72 s each with an empty inductor cache)."""
     import threading
 
     model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
@@ -581,14 +582,16 @@ def test_every_step_one_length_of_a_round_compiles_in_the_worker(traced_in):
 
         def round_of(T: int) -> bool:
             n = model._steps.n_compiled_calls
-            hidden = torch.stack([out.hidden[0, -1]] * T)[None]          # contiguous, as the decoder's
-            model.draft_and_verify(torch.full((1, T), 5), hidden, cache, [0], k)
+            pad = model.step1_pad(cache, 0, T, k)
+            hidden = torch.stack([out.hidden[0, -1]] * (T + pad))[None]    # contiguous, as the decoder's
+            model.draft_and_verify(torch.full((1, T + pad), 5), hidden, cache, [0], k, pad=pad)
+            assert cache.mtp_lengths[0] == PM + T
             cache.truncate(0, P)
             cache.truncate_mtp(0, PM)
             cache.restore_gdn(0, snap)
             return model._steps.n_compiled_calls > n
 
-        assert not round_of(1)                                           # eager; queues T = 1..k+1
+        assert not round_of(1)                                           # eager; queues the padded length
         assert model._steps.drain(600)
         main = threading.current_thread().name
         before = [name for _, name in traced_in].count(main)
@@ -596,7 +599,7 @@ def test_every_step_one_length_of_a_round_compiles_in_the_worker(traced_in):
         threads = [name for _, name in traced_in]
         assert threads.count(main) == before, threads                   # nothing traced in this thread
     rounds = {key[2] for key in model._steps._ready if key[0] == "round"}
-    assert rounds == set(range(1, k + 2)), model._steps._ready
+    assert rounds == {model.step1_rows(k)} and model.step1_rows(k) >= k + 1, model._steps._ready
     model._steps.close()
 
 

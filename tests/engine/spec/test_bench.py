@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.model.steps import CompiledSteps
 from engine.spec.bench import configurations, median_ci, paired_ratios, run_bench
 from tests.engine.model.conftest import get_model, get_ref
 
@@ -16,6 +17,7 @@ class FirstUseSteps:
     stand-in returns None) and records its kind, so a test sees where each kind was first met."""
 
     background = False
+    step1_rows = staticmethod(CompiledSteps.step1_rows)      # the real steps' padded draft step-1 length
 
     def __init__(self):
         self.kinds: set[tuple] = set()
