@@ -391,9 +391,10 @@ class ModelBackend(SlotBackend):
         if spec and all(ks[i] == K for i in spec):
             # every drafting slot drafts K: the whole chain in one call (one compiled graph)
             pad = 0
-            if ride:
-                # padded to one of a few step-1 lengths (one compiled graph each; `Qwen35Model.step1_pad`): the
-                # padding rows (the pending token and its carry) go before the pending row
+            if len(spec) == 1:
+                # its queued entries (none if written above) and the pending token, padded to one step-1
+                # length per K (one compiled graph; `Qwen35Model.step1_pad`): the padding rows (the pending
+                # token and its carry) go before the pending row
                 st = self.slots[spec_slots[0]]
                 pad = self.model.step1_pad(self.cache, spec_slots[0], len(st.mtp_queue_tokens) + 1, K)
                 x = torch.tensor([[*st.mtp_queue_tokens, *[s0_host[spec[0]]] * (pad + 1)]], dtype=torch.long,
