@@ -405,7 +405,8 @@ class CompiledSteps:
         # every product's row count is traced as a constant, step 1's T - 1 cache rows included. So each T
         # is a graph of its own, and a kind per T makes it one the worker compiles: with T symbolic in the
         # key, each new T recompiled in the decode thread while it waited (demo model, k = 4: T = 3, 4, 5
-        # each stalled it 60-72 s with an empty inductor cache, ~4.4 s with a warm one)
+        # each stalled it 60-72 s with an empty inductor cache, ~4.4 s with a warm one). One sequence's callers
+        # pad step 1 to one length per k (`step1_rows`), so a request meets one such kind per k
         B, T = tokens.shape
         batch = _fixed_batch(c_single, B, k + 1)
         fixed = (c_single is not None and k + 1 <= ROW_PRODUCTS_MAX) or batch > 0

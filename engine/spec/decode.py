@@ -300,8 +300,8 @@ class SpecDecoder:
         fused = fusable and len(by_len) == 1
         out = targets = None
         for idx in by_len.values():
-            # one sequence's step 1 is padded to one of a few lengths (one compiled graph each): padding rows
-            # (the pending token and its carry) go before the pending row (`Qwen35Model.step1_pad`)
+            # one sequence's step 1 is padded to one length per k (one compiled graph): padding rows (the
+            # pending token and its carry) go before the pending row (`Qwen35Model.step1_pad`)
             pad = m.step1_pad(cache, seqs[idx[0]].slot, len(seqs[idx[0]].mtp_queue) + 1, k) if len(idx) == 1 else 0
             x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] * (pad + 1) for i in idx], dtype=torch.long,
                              device=m.device)
