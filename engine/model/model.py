@@ -426,12 +426,17 @@ class Qwen35Model(nn.Module):
         chain of k drafts, 0 for none (eager steps): see `step1_pad`."""
         return 0 if self._steps is None else self._steps.step1_rows(k)
 
+    def step1_queue_max(self, k: int) -> int:
+        """How many queued MTP entries one sequence's draft step 1 of a chain of k drafts takes along: k, or as
+        many as its padded length holds (`step1_rows`); a longer backlog is written before the round."""
+        return max(k, self.step1_rows(k) - 1)
+
     def step1_pad(self, cache: ModelCache, slot: int, t: int, k: int) -> int:
         """How many padding rows one sequence's chain of k drafts in `slot` should add to its step 1 of t rows:
         with compiled steps each step-1 length is a graph of its own (a compile of ~50 s on 2 vCPUs), padded
         to one length (`step1_rows`) a request meets one per k. Callers put the padding rows (any token and
-        hidden row: the pending one's) just before the pending row and pass `pad` to `draft_chain` /
-        `draft_and_verify`. 0 where nothing is gained (eager steps, t longer than that length) or where the
+        hidden row: the pending one's) just before the pending row, as they build the rows (padding them here
+        took ~20 us a round of extra tensor ops), and pass `pad` to `draft_chain` / `draft_and_verify`. 0 where nothing is gained (eager steps, t longer than that length) or where the
         rows' positions would pass the cache's end."""
         n = self.step1_rows(k)
         if not t <= n or cache.mtp_lengths[slot] + n - 1 >= cache.n_ctx:

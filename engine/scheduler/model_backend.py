@@ -371,12 +371,10 @@ class ModelBackend(SlotBackend):
         spec = [i for i in range(B) if ks[i] > 0]
         spec_slots = [slots[i] for i in spec]
         # one drafting slot: its queued MTP entries (the last round's accepted drafts, plain steps) ride
-        # along in draft step 1 when there are at most K of them, or as many as its padded length holds
-        # (`Qwen35Model.step1_pad`)
+        # along in draft step 1 when it holds them (`Qwen35Model.step1_queue_max`: K, or its padded length).
         # Else they are written first, outside the round's timer: that is the plain steps' MTP sync (a probe
         # after a run of plain steps writes up to 255 of them), not a cost of drafting that policies should see
-        ride = (len(spec) == 1 and len(self.slots[spec_slots[0]].mtp_queue_tokens)
-                <= max(K, self.model.step1_rows(K) - 1))
+        ride = len(spec) == 1 and len(self.slots[spec_slots[0]].mtp_queue_tokens) <= self.model.step1_queue_max(K)
         self._flush_mtp([] if ride else spec_slots)
         t0 = time.perf_counter()
         s0_host = [self.slots[s].run.pending for s in slots]

@@ -277,7 +277,7 @@ class SpecDecoder:
         # draft step 1 writes the queued entries (the last round's accepted drafts, a few plain steps' entries):
         # up to k, or for one sequence as many as its padded step 1 holds (one compiled graph per k:
         # `Qwen35Model.step1_pad`)
-        backlog_max = max(k, m.step1_rows(k) - 1) if len(seqs) == 1 else k
+        backlog_max = m.step1_queue_max(k) if len(seqs) == 1 else k
         for s in seqs:
             if len(s.mtp_queue) > backlog_max:
                 # a longer backlog (plain-step entries) is written outside the round's timer: it is the plain
