@@ -190,6 +190,14 @@ def _table(doc: dict) -> None:
     print(f"read bandwidth after the runs: {bw['step_sized_gbs']:.1f} GB/s over {bw['step_sized_mib']} MiB "
           f"(one decode step reads {bw['decode_step_bytes'] / 2**20:.1f} MiB of weights), "
           f"{bw['memory_gbs']:.1f} GB/s over {bw['memory_mib']} MiB")
+    calls = doc.get("calls")
+    if calls:
+        ver = ", ".join(f"{n} rows {v:.2f}" for n, v in calls["verify_over_plain_step"].items())
+        row = calls["draft_row_over_plain_step"]
+        print(f"calls apart ({calls['passes']} x {calls['calls_per_pass']} of each, medians): plain step "
+              f"{calls['plain_step_ms']:.3f} ms; verification over it: {ver}; a draft row "
+              + ("-" if row is None else f"{calls['draft_row_ms']:.3f} ms = {row:.3f} plain step")
+              + " (draft chains of " + ", ".join(f"{k}: {v:.3f}" for k, v in calls["chain_ms"].items()) + " ms)")
     st = doc["steps"]
     if st.get("runs_repeated_after_a_compile"):
         print(f"note: {st['kinds_compiled_in_timed_runs']} kinds of step were first met in the timed runs; the "

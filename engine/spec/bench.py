@@ -195,6 +195,21 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
             "runs": len(acc["tps"]),
         })
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # before the buffers below
+    steps_doc = {**dict(zip(("path", "why"), model.steps_status, strict=True)),
+                 # timed calls that ran compiled / eager (a kind first met in the timed runs runs eager
+                 # while it compiles, and so does every step while the worker holds the tracer), and kinds
+                 # of step that became ready during the timed runs, the repeated runs' calls included
+                 **({"compiled_calls": steps.n_compiled_calls - counts0[0],
+                     "eager_calls": steps.n_eager_calls - counts0[1],
+                     "kinds_compiled_in_timed_runs": steps.kinds_ready - counts0[2],
+                     # runs that met such a kind were run again once it was ready (up to RERUN_MAX times);
+                     # kept_runs_with_a_compile counts those kept anyway (0 unless a run met new kinds every time)
+                     "runs_repeated_after_a_compile": repeated, "kept_runs_with_a_compile": tainted}
+                    if counts0 is not None else {})}
+    # the calls of a round apart (spec §4's costs: a verification of k + 1 rows and a draft row in plain
+    # steps), after the timed runs and outside their counts (a standalone verification is a kind of its own)
+    calls = call_costs(model, prompts[0], sorted({c.k for c in configs if c.mode != "off"}), clock=clock) \
+        if prompts else None
     return {
         "configs": rows,
         "prompts": len(prompts), "repeats": repeats, "max_tokens": max_tokens,
@@ -206,20 +221,103 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
         # the machine's state, read right after the timed runs: on the same code and file the ratios move with
         # it (a machine whose weight reads slow down favours rounds, which read the weights once for k+1 rows)
         "bandwidth": read_bandwidth(model),
+        "calls": calls,
         "threads": torch.get_num_threads(), "device": str(model.device), "dtype": str(model.dtype).split(".")[-1],
         "weights": weight_inventory(model),     # matrices per form: {"packed Q8_0": n, "dense float32": m}
-        "steps": {**dict(zip(("path", "why"), model.steps_status, strict=True)),
-                  # timed calls that ran compiled / eager (a kind first met in the timed runs runs eager
-                  # while it compiles, and so does every step while the worker holds the tracer), and kinds
-                  # of step that became ready during the timed runs, the repeated runs' calls included
-                  **({"compiled_calls": steps.n_compiled_calls - counts0[0],
-                      "eager_calls": steps.n_eager_calls - counts0[1],
-                      "kinds_compiled_in_timed_runs": steps.kinds_ready - counts0[2],
-                      # runs that met such a kind were run again once it was ready (up to RERUN_MAX times);
-                      # kept_runs_with_a_compile counts those kept anyway (0 unless a run met new kinds every time)
-                      "runs_repeated_after_a_compile": repeated, "kept_runs_with_a_compile": tainted}
-                     if counts0 is not None else {})},
+        "steps": steps_doc,
         "auto_policy": "one per configuration, kept from run to run (as a server slot keeps it)",
+    }
+
+
+def call_costs(model, prompt: Sequence[int], ks: Sequence[int], *, clock: str = "wall", budget_s: float = 2.0,
+               repeats: int = 7) -> dict | None:
+    """The calls of a round measured apart, on this model as the bench runs it (its steps, draft weights and
+    draft vocabulary), after the prompt: a plain step; the verification of k + 1 rows (with the GDN states
+    of every row kept) for each k in `ks`; and draft chains of 1..max(ks) drafts (step 1 padded as the
+    decoder pads it). A draft row's cost is the slope of the chains' times over k (least squares): what one
+    more draft adds to a round, without the call's fixed host cost, which a fused round pays once for its
+    drafts and its verification together. The kinds are called and, with compiled steps, made ready first;
+    then `repeats` passes of n calls of each kind, interleaved, n set so that the timed calls take about
+    `budget_s` in all. Medians in ms and over the plain step. None for a model without MTP or no k."""
+    if not model.cfg.has_mtp or not ks:
+        return None
+    from engine.model.cache import ModelCache
+    now = CLOCKS[clock]
+    k_top = max(ks)
+    dev = model.device
+    cache = ModelCache(model.cfg, 1, len(prompt) + k_top + 16, device=dev, kv_dtype=torch.float32, mtp=True)
+    toks = torch.tensor([list(prompt)], dtype=torch.long, device=dev)
+    with torch.inference_mode():
+        out = model.forward(toks, cache, [0], logits="last")
+        model.mtp_forward(toks, out.hidden, cache, [0], logits="none")
+        tok = out.logits[:, -1:].argmax(-1)
+        carry = out.hidden[:, -1:]
+        n0, m0, snap = cache.lengths[0], cache.mtp_lengths[0], cache.snapshot_gdn(0)
+
+        def reset() -> None:
+            cache.truncate(0, n0)
+            cache.truncate_mtp(0, m0)
+            cache.restore_gdn(0, snap)
+
+        def plain() -> None:
+            int(model.forward(tok, cache, [0], logits="all").logits[0, -1].argmax())
+
+        def verify(k: int) -> Callable[[], None]:
+            rows = tok.repeat(1, k + 1)
+
+            def call() -> None:
+                int(model.forward(rows, cache, [0], logits="all", gdn_steps=True).logits[0, -1].argmax())
+            return call
+
+        def chain(k: int) -> Callable[[], None]:
+            def call() -> None:
+                pad = model.step1_pad(cache, 0, 1, k)
+                drafts, _ = model.draft_chain(tok.repeat(1, pad + 1), carry.expand(1, pad + 1, -1).contiguous(),
+                                              cache, [0], k, pad=pad)
+                int(drafts[0, -1])
+            return call
+        calls = {"plain": plain, **{f"verify{k}": verify(k) for k in sorted(set(ks))},
+                 **{f"chain{k}": chain(k) for k in range(1, k_top + 1)}}
+        steps = getattr(model, "_steps", None)
+        for _ in range(2):                       # first use, then (compiled steps) once every kind is ready
+            for fn in calls.values():
+                fn()
+                reset()
+            if steps is not None:
+                steps.drain()
+        t0 = now()
+        for fn in calls.values():
+            fn()
+            reset()
+        per_call = max((now() - t0) / len(calls), 1e-6)
+        n = max(1, min(50, round(budget_s / (repeats * len(calls) * per_call))))
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(repeats):
+            for name, fn in calls.items():
+                ts = []
+                for _ in range(n):
+                    t0 = now()
+                    fn()
+                    ts.append(now() - t0)
+                    reset()
+                times[name].append(statistics.median(ts))
+    med = {name: statistics.median(v) for name, v in times.items()}
+    plain_s = med["plain"]
+    xs = list(range(1, k_top + 1))
+    ys = [med[f"chain{k}"] for k in xs]
+    slope = None
+    if len(xs) > 1:
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return {
+        "plain_step_ms": plain_s * 1e3,
+        "verify_ms": {str(k + 1): med[f"verify{k}"] * 1e3 for k in sorted(set(ks))},
+        "verify_over_plain_step": {str(k + 1): med[f"verify{k}"] / plain_s for k in sorted(set(ks))},
+        "chain_ms": {str(k): med[f"chain{k}"] * 1e3 for k in xs},
+        # one more draft in a chain (None with chains of one length only)
+        "draft_row_ms": None if slope is None else slope * 1e3,
+        "draft_row_over_plain_step": None if slope is None else slope / plain_s,
+        "calls_per_pass": n, "passes": repeats, "clock": clock,
     }
 
 

@@ -40,6 +40,11 @@ def test_bench_json_reports_every_configuration(tmp_path, mtpchat):  # noqa: F81
     bw = doc["bandwidth"]    # the machine's state beside the ratios
     assert bw["memory_mib"] == 256 and bw["memory_gbs"] > 0 and bw["step_sized_gbs"] > 0
     assert bw["step_sized_mib"] * 2**20 >= bw["decode_step_bytes"] > (bw["step_sized_mib"] - 1) * 2**20  # CPU
+    calls = doc["calls"]     # the calls of a round apart: verifications of k + 1 rows, chains of 1..max k
+    assert set(calls["verify_over_plain_step"]) == {"2", "3"} and set(calls["chain_ms"]) == {"1", "2"}
+    assert calls["plain_step_ms"] > 0 and all(v > 0 for v in calls["verify_ms"].values())
+    assert calls["draft_row_ms"] == pytest.approx(calls["chain_ms"]["2"] - calls["chain_ms"]["1"])
+    assert calls["draft_row_over_plain_step"] == pytest.approx(calls["draft_row_ms"] / calls["plain_step_ms"])
 
 
 def test_bench_wrong_drafts_are_never_accepted(tmp_path, mtpchat):  # noqa: F811

@@ -143,3 +143,55 @@ def test_paired_ratios_compare_runs_of_the_same_prompt_and_repeat():
     assert p["n"] == 4 and p["ci95"] is None
     assert p["median"] == pytest.approx((1.2 + 1.1) / 2)      # ratios 1.2, 1.3, 1.1, 1.1
     assert paired_ratios({}, off) is None
+
+
+def test_call_costs_time_each_kind_of_call_apart_and_fit_a_draft_row(monkeypatch):
+    """`call_costs`: a plain step, verifications of k + 1 rows and chains of 1..max k drafts, each kind met
+    (made ready) before it is timed, step 1 of a chain padded as the decoder pads it; a draft row is the
+    least-squares slope of the chains' times over k. A clock advanced by known amounts per call checks the
+    arithmetic."""
+    import engine.spec.bench as bench
+
+    model = get_model("models/tiny-qwen35-f32.gguf")
+    ref = get_ref("ref/tiny-qwen35.npz")
+    prompt = ref["prompt_7"].tolist()
+    t = [0.0]
+    monkeypatch.setitem(bench.CLOCKS, "fake", lambda: t[0])
+    real_forward, real_chain = model.forward, model.draft_chain
+
+    def forward(tokens, *a, **kw):
+        t[0] += 1e-3 if tokens.shape[1] == 1 else 1e-3 * (1 + 0.25 * (tokens.shape[1] - 1))
+        return real_forward(tokens, *a, **kw)
+
+    def chain(tokens, hidden, cache, slots, k, **kw):
+        t[0] += 1e-4 * (3 + [0, 2, 3, 5][k])            # slope over k = 1..3: 1.5e-4 s a draft
+        return real_chain(tokens, hidden, cache, slots, k, **kw)
+
+    monkeypatch.setattr(model, "forward", forward)
+    monkeypatch.setattr(model, "draft_chain", chain)
+    steps = FirstUseSteps()
+    model._steps = steps
+    try:
+        doc = bench.call_costs(model, prompt, [3, 1], clock="fake", repeats=3)
+        met = set(steps.kinds)
+        assert bench.call_costs(model, prompt, [], clock="fake") is None
+    finally:
+        model._steps = None
+    assert doc["plain_step_ms"] == pytest.approx(1.0)
+    assert doc["verify_ms"] == pytest.approx({"2": 1.25, "4": 1.75})
+    assert doc["verify_over_plain_step"] == pytest.approx({"2": 1.25, "4": 1.75})
+    assert doc["chain_ms"] == pytest.approx({"1": 0.5, "2": 0.6, "3": 0.8})
+    assert doc["draft_row_ms"] == pytest.approx(0.15) and doc["draft_row_over_plain_step"] == pytest.approx(0.15)
+    assert doc["passes"] == 3 and doc["calls_per_pass"] >= 1 and doc["clock"] == "fake"
+    rows = CompiledSteps.step1_rows
+    assert {("chain", (1, rows(k)), k) for k in (1, 2, 3)} <= met          # padded, as rounds pad them
+    assert {("main", (1, n), "all", True) for n in (2, 4)} <= met          # verifications keep every GDN state
+    assert ("main", (1, 1), "all", False) in met
+
+
+def test_call_costs_need_an_mtp_model():
+    from types import SimpleNamespace
+
+    from engine.spec.bench import call_costs
+
+    assert call_costs(SimpleNamespace(cfg=SimpleNamespace(has_mtp=False)), [1, 2, 3], [3]) is None
