@@ -58,11 +58,13 @@ def load_model_as(f, weights: str, steps: str, device: str = "cpu", dtype=None):
 DRAFT_VOCAB_HELP = ("MTP drafts choose among the first N token ids only, so a draft's output head reads N rows "
                     "instead of the whole vocabulary (BPE ids run roughly from most to least frequent; the "
                     "output stays exact, only acceptance can drop); all (default) or 1..vocabulary size")
-DRAFT_WEIGHTS_CHOICES = ("auto", "exact", "q8_0")
+DRAFT_WEIGHTS_CHOICES = ("auto", "exact", "q8_0", "int8")
 DRAFT_WEIGHTS_HELP = ("the weights MTP drafts multiply by: q8_0 = Q8_0 copies of the MTP block's and the output "
-                      "head's float (F32/F16/BF16) matrices, a quarter or half of the bytes a draft reads (the "
-                      "output stays exact, only acceptance can change; CPU float32 only); exact = the file's; "
-                      "auto (default) = q8_0 where the steps are compiled on CPU, else exact")
+                      "head's float (F32/F16/BF16) matrices, a quarter or half of the bytes a draft reads; int8 = "
+                      "int8 copies with one scale per row, as many bytes and less arithmetic (the output stays "
+                      "exact, only acceptance can change; CPU float32 only); exact = the file's; auto (default) = "
+                      "where the steps are compiled on CPU, int8 if their code has 512-bit vectors, else q8_0; "
+                      "exact elsewhere")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -73,13 +75,8 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
 
 def apply_draft_options(model, vocab: str | int | None, weights: str | None, steps: str) -> None:
     """Set `model.set_draft_vocab` from a --draft-vocab value ('all', None or 1..vocabulary size) and
-    `model.set_draft_weights` from a --draft-weights value (None or 'auto': q8_0 when `steps` will be
-    compiled on CPU for a float32 model, whose products then cost no call of their own; eager steps would pay
-    one per packed product, `engine.model.steps.min_packed`). Call before `compile_steps`."""
-    import torch
-
-    from engine.model.steps import min_packed
-
+    `model.set_draft_weights` from a --draft-weights value (None or 'auto': `auto_draft_weights`). Call
+    before `compile_steps`."""
     if vocab is None or str(vocab).strip().lower() == "all":
         n = None
     else:
@@ -89,8 +86,24 @@ def apply_draft_options(model, vocab: str | int | None, weights: str | None, ste
             raise InputError(f"--draft-vocab: expected 'all' or a token count, got {vocab!r}") from None
     model.set_draft_vocab(n, "--draft-vocab")
     if weights in (None, "auto"):
-        weights = "q8_0" if model.dtype == torch.float32 and min_packed(steps, model.device) == 0 else "exact"
+        weights = auto_draft_weights(model, steps)
     model.set_draft_weights(weights, "--draft-weights")
+
+
+def auto_draft_weights(model, steps: str) -> str:
+    """--draft-weights auto: copies only where the steps will be compiled on CPU for a float32 model (their
+    products then cost no call of their own; eager steps would pay one per packed product,
+    `engine.model.steps.min_packed`); int8 rows where that code has 512-bit vectors (a draft row ~7 %
+    cheaper than Q8_0 on an AVX-512 Xeon, docs/benchmarks.md, thirty-fifth session), else Q8_0 (whose words
+    layout AVX2 code reads fastest: its int8 loads of 16 lanes are slow; other vector sets not measured)."""
+    import torch
+
+    from engine.kernels import codegen
+    from engine.model.steps import min_packed
+
+    if model.dtype != torch.float32 or min_packed(steps, model.device) != 0:
+        return "exact"
+    return "int8" if codegen.avx512() else "q8_0"
 
 
 def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:

@@ -61,6 +61,15 @@ def avx2() -> bool:
         return False
 
 
+def avx512() -> bool:
+    """Whether inductor generates AVX-512 code here (its C++ vectors 16 floats wide)."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        return str(pick_vec_isa() or "").startswith("avx512")
+    except Exception:   # a torch without this helper
+        return False
+
+
 def install() -> bool:
     """Rewrite inductor's partial byte loads from now on, in this process, where it generates AVX2 code.
     Idempotent; True when active. Nothing changes on other vector instruction sets, where this torch's

@@ -69,6 +69,9 @@ def dequant_view(t: T, p: dict[str, torch.Tensor]) -> torch.Tensor:
     if t in (T.BF16, T.F16):
         w = p["w"]
         return w.float().view(w.shape[0], -1, 32) if w.shape[-1] % 32 == 0 else w.float().unsqueeze(-1)
+    if t == T.I8:     # a draft copy's rows (PackedWeight.int8_rows_of): q [N, K] int8, d [N, 1] float32
+        w = p["q"].float() * p["d"]
+        return w.view(w.shape[0], -1, 32) if w.shape[-1] % 32 == 0 else w.unsqueeze(-1)
     raise ValueError(f"no packed kernel for {t.name}")
 
 
@@ -99,6 +102,12 @@ def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor
     p = _parts_dict(t, parts)
     if "qw" in p:
         return _q8_0_words_product(x, p["qw"], p["d"])
+    if t == T.I8:
+        # one scale per row, applied once to the row's sum: the reduction over K is int8 -> float times the
+        # activation only (a Q8_0 block's scale is a third multiply per weight), ~0.7x Q8_0's time in a compiled
+        # draft step's products on an AVX-512 CPU (docs/benchmarks.md, thirty-fifth session)
+        q = p["q"]
+        return torch.stack([(q.float() * x[m]).sum(-1) for m in range(x.shape[0])], dim=0) * p["d"].view(1, -1)
     if t == T.Q8_0 and _q8_0_groups:   # AVX2 (measured there); AVX-512's 16 lanes would span two blocks' scales
         qs = p["qs"]
         return _q8_0_groups_product(x, lambda j: qs[..., 8 * j:8 * j + 8], p["d"])
@@ -135,7 +144,7 @@ def _word_byte(wi: torch.Tensor, j: int) -> torch.Tensor:
 
 
 _PART_NAMES = {T.Q8_0: ("qs", "d"), T.Q4_K: ("qs", "d", "dmin", "sc", "mn"), T.Q6_K: ("ql", "qh", "sc", "d"),
-               T.BF16: ("w",), T.F16: ("w",)}
+               T.BF16: ("w",), T.F16: ("w",), T.I8: ("q", "d")}
 Q8_0_WORDS = ("qw", "d")   # a Q8_0 weight in the words layout (PackedWeight.as_words)
 
 

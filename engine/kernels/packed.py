@@ -105,6 +105,26 @@ class PackedWeight:
             d[r:r + rows_at_once] = dr.half().float()
         return cls(name, T.Q8_0, (N, K), {"qs": qs, "d": d})
 
+    @classmethod
+    def int8_rows_of(cls, name: str, w: torch.Tensor, rows_at_once: int = 1 << 14) -> PackedWeight:
+        """An int8 copy of a float 2-D weight [N, K] with one float32 scale per row (type I8, parts `q` and
+        `d`): d = max|row| / 127, q = x / d rounded half away from zero (0 where d is 0). Not a GGUF form
+        (ggml's I8 has no scale): MTP drafts multiply by it (`Qwen35Model.set_draft_weights('int8')`), where
+        an approximate product is allowed. Rows are converted a slice at a time."""
+        if w.dim() != 2:
+            raise ValueError(f"{name}: int8 rows need a 2-D weight, got {tuple(w.shape)}")
+        N, K = w.shape
+        q = torch.empty(N, K, dtype=torch.int8, device=w.device)
+        d = torch.empty(N, 1, dtype=torch.float32, device=w.device)
+        for r in range(0, N, rows_at_once):
+            x = w[r:r + rows_at_once].float()
+            dr = x.abs().amax(-1, keepdim=True) / 127
+            inv = torch.where(dr == 0, torch.zeros_like(dr), 1 / dr)
+            y = x * inv
+            q[r:r + rows_at_once] = (y.sign() * (y.abs() + 0.5).floor()).to(torch.int8)
+            d[r:r + rows_at_once] = dr
+        return cls(name, T.I8, (N, K), {"q": q, "d": d})
+
     def as_words(self) -> PackedWeight:
         """This Q8_0 weight in the words layout (a copy): each block's 32 quants as 8 little-endian 32-bit
         words whose byte j of word i is element 8j + i, stored as float32 bit patterns (`qw`, never used as

@@ -109,7 +109,7 @@ class Qwen35Model(nn.Module):
         self.draft_vocab: int | None = None    # MTP drafts choose among the first N token ids (None: all)
         self.draft_weights = "exact"           # the weights a draft chain multiplies by (see set_draft_weights)
         self.wrong_drafts = False              # drafts returned as (argmax + 1) mod vocab (set_wrong_drafts)
-        self._draft: dict[int, DraftTwin] = {}  # nextn block number -> its draft copy ('q8_0')
+        self._draft: dict[int, DraftTwin] = {}  # nextn block number -> its draft copy ('q8_0', 'int8')
         self._slot_idx: dict[tuple, torch.Tensor] = {}   # (slots, device, inference mode) -> index tensor
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -146,30 +146,31 @@ class Qwen35Model(nn.Module):
         self.draft_vocab = None if n is None or n == V else int(n)
 
     def set_draft_weights(self, kind: str, what: str = "draft weights") -> None:
-        """The weights MTP draft chains multiply by: 'exact' (the file's) or 'q8_0' (CPU, float32 models).
+        """The weights MTP draft chains multiply by: 'exact' (the file's), 'q8_0' or 'int8' (CPU, float32 models).
 
         With 'q8_0' a chain reads Q8_0 copies (ggml's format, ~1.06 bytes a weight) of the nextn block's
-        matrices and of the output head wherever the file holds them in a float type (F32, F16, BF16);
-        weights already quantized are read as they are. A draft reads its weights once per drafted token,
-        so on float files the chain reads a quarter (F32) or half (16-bit) of the bytes. Drafts are only
-        proposals: verification keeps the output exact, and the MTP cache rows a chain keeps (its first
-        step's) are computed with the exact eh_proj, attn_k and attn_v, so the MTP cache stays what exact
-        drafting leaves (spec §1.5); only the draft tokens, hence acceptance, can differ.
-        `mtp_forward` (cache commits, --mtp-out, imatrix) always uses the exact weights. Memory: the copies
-        (demo model 1.4 MB; a BF16 0.8B file's tied 248,320-row head ~270 MB).
+        matrices and of the output head wherever the file holds them in a float type (F32, F16, BF16); with
+        'int8' int8 copies with one scale per row (`PackedWeight.int8_rows_of`, ~1 byte a weight), whose
+        products skip the block scales' multiply. Weights already quantized are read as they are. A draft
+        reads its weights once per drafted token, so on float files the chain reads a quarter (F32) or half
+        (16-bit) of the bytes. Drafts are only proposals: verification keeps the output exact, and the MTP
+        cache rows a chain keeps (its first step's) are computed with the exact eh_proj, attn_k and attn_v,
+        so the MTP cache stays what exact drafting leaves (spec §1.5); only the draft tokens, hence
+        acceptance, can differ. `mtp_forward` (cache commits, --mtp-out, imatrix) always uses the exact
+        weights. Memory: the copies (demo model 1.4 MB; a BF16 0.8B file's tied 248,320-row head ~270 MB).
         what: the setting's name in errors (e.g. a CLI flag)."""
         if kind not in DRAFT_WEIGHTS:
             raise InputError(f"{what}: expected one of {', '.join(DRAFT_WEIGHTS)}, got {kind!r}")
-        if kind == "q8_0" and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise InputError(f"{what}: q8_0 draft weights run on CPU with float32 weights only "
+        if kind != "exact" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise InputError(f"{what}: {kind} draft weights run on CPU with float32 weights only "
                              f"(this model: {self.device.type}, {str(self.dtype).removeprefix('torch.')})")
         twins: dict[int, DraftTwin] = {}
-        if kind == "q8_0" and self.cfg.has_mtp:
+        if kind != "exact" and self.cfg.has_mtp:
             for n in self.cfg.nextn_blocks:
                 nx = self.blk[n].nextn
                 head = nx.shared_head_head.weight if nx.shared_head_head is not None else \
                     (self.token_embd.weight if self.output is None else self.output.weight)
-                twins[n] = DraftTwin(_q8_0_twin(self.blk[n]), _q8_0_weight("head", head))
+                twins[n] = DraftTwin(_draft_twin(kind, self.blk[n]), _draft_weight(kind, "head", head))
         self.draft_weights, self._draft = kind, twins
         if self._steps is not None:
             from engine.model.steps import _weights_static
@@ -626,7 +627,7 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
     return model
 
 
-DRAFT_WEIGHTS = ("exact", "q8_0")
+DRAFT_WEIGHTS = ("exact", "q8_0", "int8")
 # nextn matrices a draft copy keeps exact: the keys and values its cached rows hold (the row's input,
 # eh_proj, is chosen per call in `_mtp`), and lookup tables
 _DRAFT_EXACT = ("attn_k", "attn_v", "embed_tokens", "shared_head_head")
@@ -635,20 +636,24 @@ _DRAFT_EXACT = ("attn_k", "attn_v", "embed_tokens", "shared_head_head")
 @dataclass
 class DraftTwin:
     """What a draft chain multiplies by for one nextn block: `block`, a copy of the block whose modules
-    share the block's tensors except the matrices it holds as Q8_0, and `head`, the output head's weight."""
+    share the block's tensors except the matrices it holds in the draft form, and `head`, the output head's weight."""
 
     block: Block
     head: object
 
 
-def _q8_0_weight(name: str, w):
-    """A Q8_0 form of a weight for drafting: an already quantized packed weight as it is, else a Q8_0
-    copy (rows of 32-multiples only; other shapes stay as they are)."""
+def _draft_weight(kind: str, name: str, w):
+    """The draft form `kind` of a weight: a Q8_0 copy ('q8_0', rows of 32-multiples only) or an int8 copy
+    with a scale per row ('int8'); an already quantized packed weight, or another shape, as it is."""
     packed = isinstance(w, PackedWeight)
     if packed and w.ggml_type not in (T.BF16, T.F16):
         return w
-    src = w.parts["w"] if packed else w            # 16-bit rows as they are: q8_0_of widens a slice at a time
-    if src.dim() != 2 or src.shape[1] % 32:
+    src = w.parts["w"] if packed else w            # 16-bit rows as they are: the copies widen a slice at a time
+    if src.dim() != 2:
+        return w
+    if kind == "int8":
+        return PackedWeight.int8_rows_of(name, src)
+    if src.shape[1] % 32:
         return w
     # our own copy, so where compiled kernels run AVX2 code in the layout they read fastest
     # (PackedWeight.as_words; not measured with AVX-512, whose 16 lanes would span two blocks' scales)
@@ -657,15 +662,15 @@ def _q8_0_weight(name: str, w):
     return q8.as_words() if codegen.avx2() else q8
 
 
-def _q8_0_twin(mod: nn.Module, name: str = "") -> nn.Module:
+def _draft_twin(kind: str, mod: nn.Module, name: str = "") -> nn.Module:
     """A copy of `mod` and its submodules (new module objects, the same tensors) whose `Linear` weights
-    are Q8_0 (`_q8_0_weight`), except those named in _DRAFT_EXACT."""
+    are in the draft form `kind` (`_draft_weight`), except those named in _DRAFT_EXACT."""
     twin = copy.copy(mod)                          # a new object; its dicts still the original's
     twin._parameters = dict(mod._parameters)
     twin._buffers = dict(mod._buffers)
-    twin._modules = {k: None if c is None else _q8_0_twin(c, k) for k, c in mod._modules.items()}
+    twin._modules = {k: None if c is None else _draft_twin(kind, c, k) for k, c in mod._modules.items()}
     if isinstance(mod, Linear) and name not in _DRAFT_EXACT:
-        w = _q8_0_weight(name, mod.weight)
+        w = _draft_weight(kind, name, mod.weight)
         if w is not mod.weight:
             twin._parameters.pop("weight", None)
             twin.__dict__["weight"] = w

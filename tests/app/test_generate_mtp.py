@@ -47,6 +47,9 @@ def test_every_mode_gives_the_plain_tokens_and_reports_mtp_stats(mtpchat):  # no
     # drafts multiplied by Q8_0 copies of this F32 file's MTP matrices and head: the same output
     q8 = _gen(mtpchat, "--mtp", "on", "--draft", "2", "--draft-weights", "q8_0")
     assert q8["tokens"] == off["tokens"] and q8["stats"]["drafted"] > 0
+    # and by int8 copies with a scale per row: the same output
+    i8 = _gen(mtpchat, "--mtp", "on", "--draft", "2", "--draft-weights", "int8")
+    assert i8["tokens"] == off["tokens"] and i8["stats"]["drafted"] > 0
 
 
 @pytest.mark.parametrize("args, message", [
@@ -59,6 +62,8 @@ def test_every_mode_gives_the_plain_tokens_and_reports_mtp_stats(mtpchat):  # no
     (("--draft-weights", "q4"), "invalid choice: 'q4'"),
     (("--draft-weights", "q8_0", "--dtype", "bfloat16"),
      "--draft-weights: q8_0 draft weights run on CPU with float32 weights only (this model: cpu, bfloat16)"),
+    (("--draft-weights", "int8", "--dtype", "bfloat16"),
+     "--draft-weights: int8 draft weights run on CPU with float32 weights only (this model: cpu, bfloat16)"),
 ])
 def test_bad_mtp_flags_exit_2_with_one_line(args, message, mtpchat):  # noqa: F811
     model = str(fixture_path(MODELS["dense"][0]))

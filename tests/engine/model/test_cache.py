@@ -358,18 +358,20 @@ def test_draft_vocabulary_drafts_among_its_first_token_ids(model):
     assert model.draft_vocab is None
 
 
-def test_q8_0_draft_weights_leave_the_mtp_cache_exact(model):
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+def test_draft_weights_leave_the_mtp_cache_exact(model, kind):
     """With `set_draft_weights('q8_0')` a chain multiplies by Q8_0 copies of the nextn block's matrices and
-    of the head, except attn_k / attn_v (the same tensors) and, for the row its first step keeps in the MTP
-    cache, eh_proj: the cache after the chain is bitwise the one exact drafting leaves, while the drafts'
-    hidden state comes from the copies (it differs where the file's weights are float); 'exact' undoes it."""
+    of the head ('int8': int8 copies with a scale per row), except attn_k / attn_v (the same tensors) and, for
+    the row its first step keeps in the MTP cache, eh_proj: the cache after the chain is bitwise the one exact
+    drafting leaves, while the drafts' hidden state comes from the copies (it differs where the file's
+    weights are float); 'exact' undoes it."""
     from engine.errors import InputError
     from engine.kernels import PackedWeight
     k = 4
     t = _text(13, 5000)
     n = model.cfg.nextn_blocks[0]
     runs = {}
-    for kind in ("exact", "q8_0", "exact"):
+    for run in ("exact", kind, "exact"):
         cache = ModelCache(model.cfg, 1, 64)
         out = model(t[:, :-2], cache, logits="none")
         h = shift_hidden(out.hidden)
@@ -377,30 +379,34 @@ def test_q8_0_draft_weights_leave_the_mtp_cache_exact(model):
         o2 = model(t[:, -2:-1], cache, logits="none")
         rows, hid = t[:, -2:], torch.cat([out.hidden[:, -1:], o2.hidden], dim=1)   # a queued entry + pending
         try:
-            model.set_draft_weights(kind)
+            model.set_draft_weights(run)
             drafts, last = model.draft_chain(rows, hid, cache, [0], k)
             twin = model._draft.get(n)
         finally:
             model.set_draft_weights("exact")
         L = cache.mtp_lengths[0]
-        runs.setdefault(kind, []).append((drafts, last, cache.mtp_k[n][0, :L].clone(), cache.mtp_v[n][0, :L].clone(), L))
-        if kind == "q8_0":
+        runs.setdefault(run, []).append((drafts, last, cache.mtp_k[n][0, :L].clone(), cache.mtp_v[n][0, :L].clone(), L))
+        if run != "exact":
             blk = model.blk[n]
             assert twin.block.mixer.attn_k.weight is blk.mixer.attn_k.weight
             assert twin.block.mixer.attn_v.weight is blk.mixer.attn_v.weight
             assert twin.block.attn_norm.weight is blk.attn_norm.weight
             copies = [twin.block.mixer.attn_q, twin.block.mixer.attn_output, twin.block.nextn.eh_proj]
+            group = 32 if run == "q8_0" else None                 # a Q8_0 block, or a whole row
+            form = "Q8_0" if run == "q8_0" else "I8"
             for mod, orig in zip(copies, [blk.mixer.attn_q, blk.mixer.attn_output, blk.nextn.eh_proj], strict=True):
-                assert isinstance(mod.weight, PackedWeight) and mod.weight.ggml_type.name == "Q8_0"
+                assert isinstance(mod.weight, PackedWeight) and mod.weight.ggml_type.name == form
                 w = orig.weight.dense() if isinstance(orig.weight, PackedWeight) else orig.weight
-                err = (mod.weight.dense() - w).abs().reshape(w.shape[0], -1, 32).amax(-1)
-                # half a step (d = max|x| / 127), plus d's rounding to float16 for |q| <= 127
-                assert (err <= w.abs().reshape(w.shape[0], -1, 32).amax(-1) / 127 * 0.57 + 1e-12).all()
-            assert isinstance(twin.head, PackedWeight) and twin.head.ggml_type.name == "Q8_0"
-            layout = "qw" if codegen.avx2() else "qs"   # as_words where compiled kernels run AVX2 code
+                blocks = w.reshape(w.shape[0], -1, group or w.shape[1])
+                err = (mod.weight.dense() - w).abs().reshape(blocks.shape).amax(-1)
+                # half a step (d = max|x| / 127), plus (Q8_0) d's rounding to float16 for |q| <= 127
+                assert (err <= blocks.abs().amax(-1) / 127 * 0.57 + 1e-12).all()
+            assert isinstance(twin.head, PackedWeight) and twin.head.ggml_type.name == form
+            # Q8_0: as_words where compiled kernels run AVX2 code
+            layout = "q" if run == "int8" else "qw" if codegen.avx2() else "qs"
             assert layout in twin.head.parts and layout in twin.block.mixer.attn_q.weight.parts
             assert not any(mod is orig for mod, orig in zip(twin.block.modules(), blk.modules(), strict=True))
-    (e1, e2), (q,) = runs["exact"], runs["q8_0"]
+    (e1, e2), (q,) = runs["exact"], runs[kind]
     assert all(torch.equal(a, b) for a, b in zip(e1[:4], e2[:4], strict=True))  # 'exact' restores it
     assert e1[4] == q[4] and torch.equal(e1[2], q[2]) and torch.equal(e1[3], q[3])
     assert torch.equal(q[0][:, 0], e1[0][:, 0])             # this text's first draft: no near tie
@@ -408,7 +414,7 @@ def test_q8_0_draft_weights_leave_the_mtp_cache_exact(model):
     assert diff < 0.05 * e1[1].abs().max().item()
     if model.cfg.arch == "qwen35":                           # the F32 fixture: the copies are not its weights
         assert diff > 0
-    with pytest.raises(InputError, match="draft weights: expected one of exact, q8_0"):
+    with pytest.raises(InputError, match="draft weights: expected one of exact, q8_0, int8"):
         model.set_draft_weights("q4")
     assert model.draft_weights == "exact" and not model._draft
 

@@ -524,16 +524,18 @@ def traced_in(monkeypatch):
     return traced
 
 
-def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in):
-    """With Q8_0 draft weights a chain reads Q8_0 copies of the nextn block's matrices and of the output head;
-    the head is held outside any module (`DraftTwin.head`), and every such weight must still reach the traced
-    graph with concrete sizes: a symbolic block size makes each draft's head product a loop of unknown
-    bounds (demo model, one process, alternated per call: chain of 4 drafts 0.668 -> 0.566 ms)."""
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in, kind):
+    """With Q8_0 draft weights a chain reads Q8_0 copies of the nextn block's matrices and of the output head
+    (int8 ones with a scale per row with 'int8'); the head is held outside any module (`DraftTwin.head`), and
+    every such weight must still reach the traced graph with concrete sizes: a symbolic block size makes each
+    draft's head product a loop of unknown bounds (demo model, one process, alternated per call: chain of 4
+    drafts 0.668 -> 0.566 ms)."""
     from engine.kernels import PackedWeight
 
     model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
     model.compile_steps("compiled", background=False)
-    model.set_draft_weights("q8_0")
+    model.set_draft_weights(kind)
     assert model.draft_heads() and all(isinstance(h, PackedWeight) for h in model.draft_heads())
     cache = ModelCache(model.cfg, 1, 64, mtp=True)
     with torch.inference_mode():
@@ -542,8 +544,9 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in):
         model.mtp_forward(toks, out.hidden, cache, [0], logits="none")
         model.draft_chain(torch.tensor([[6]]), out.hidden[:, -1:], cache, [0], 3)
     assert any(key[0] == "chain" for key in model._steps._ready) and traced_in
-    # the copies' quants: int8 blocks, or the words layout's [N, K/32, 8] float32 (PackedWeight.as_words)
-    assert all(("qw" if codegen.avx2() else "qs") in h.parts for h in model.draft_heads())
+    # the copies' quants: int8 blocks, the words layout's [N, K/32, 8] float32 (PackedWeight.as_words), or rows
+    layout = "q" if kind == "int8" else "qw" if codegen.avx2() else "qs"
+    assert all(layout in h.parts for h in model.draft_heads())
 
     rows = {w.shape[0] for mod in model.draft_modules() for w in vars(mod).values() if isinstance(w, PackedWeight)}
     rows |= {h.shape[0] for h in model.draft_heads()}
@@ -556,7 +559,8 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in):
              if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
              and quants(n.meta["example_value"])]
     head_rows = model.draft_heads()[0].shape[0]
-    group = 8 if codegen.avx2() else 32      # the words layout's 8 words, or a block's 32 int8 quants
+    # the words layout's 8 words, a block's 32 int8 quants, or a row's
+    group = model.cfg.n_embd if kind == "int8" else 8 if codegen.avx2() else 32
     assert any(t.shape[0] == head_rows and t.shape[-1] == group for t in parts), [tuple(t.shape) for t in parts]
     symbolic = [tuple(t.shape) for t in parts if not all(isinstance(d, int) for d in t.shape)]
     assert not symbolic, symbolic

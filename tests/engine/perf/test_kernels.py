@@ -285,6 +285,35 @@ def test_q8_0_copy_of_a_float_weight_is_ggml_s_bytes():
         PackedWeight.q8_0_of("w", w[:, :40])
 
 
+def test_int8_row_copy_of_a_float_weight():
+    """`PackedWeight.int8_rows_of` (the 'int8' draft weights): one float32 scale per row, d = max|row| / 127,
+    quants rounded half away from zero, a zero row all zeros, the same however many rows it converts at a
+    time; its product (the draft's small-M form and the sliced one) is x @ (q * d).T."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 96, generator=g) * torch.rand(70, 1, generator=g)
+    w[3] = 0                                          # d = 0: every quant 0
+    w[5] = torch.arange(96) - 47.5                    # with a 127 the step is 1: quants at exact halves
+    w[5, 0] = 127.0
+    d = w.abs().amax(-1, keepdim=True) / 127
+    y = w * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = (y.sign() * (y.abs() + 0.5).floor()).to(torch.int8)
+    for rows in (1, 16, 1 << 14):
+        pw = PackedWeight.int8_rows_of("w", w, rows_at_once=rows)
+        assert pw.ggml_type == T.I8 and tuple(pw.shape) == (70, 96)
+        assert torch.equal(pw.parts["q"], q) and torch.equal(pw.parts["d"], d)
+    assert (pw.parts["q"][3] == 0).all() and pw.parts["q"].abs().max() == 127
+    assert pw.parts["d"][5].item() == 1.0 and pw.parts["q"][5, 1:3].tolist() == [-47, -46]   # -46.5, -45.5
+    assert pw.parts["q"][5, 47:50].tolist() == [-1, 1, 2]     # -0.5, 0.5, 1.5: half away from zero
+    err = (pw.dense() - w).abs()
+    assert (err <= d / 2 * (1 + 1e-6)).all()                # half a step at most
+    for m in (1, 3, 40):                                   # the small-M product and the sliced one
+        x = torch.randn(m, 96, generator=g)
+        torch.testing.assert_close(pw.matmul(x), x @ (q.float() * d).T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pw.first_rows(8).matmul(x), (x @ (q.float() * d).T)[:, :8], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="2-D"):
+        PackedWeight.int8_rows_of("w", w.view(7, 10, 96))
+
+
 # -- inductor's partial byte loads (engine/kernels/codegen.py) ----------------------------------------
 
 def test_byte_load_rewrites_only_partial_loads_of_8_or_16_bytes():
