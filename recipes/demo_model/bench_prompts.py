@@ -1,6 +1,6 @@
 """Write held-out chat prompts of the demo model as `mtpchat bench --prompts` JSON lines (token ids,
 rendered with the file's own template and tokenizer, ending with the generation prompt); with
---random-tokens L, prompts of L random ordinary token ids instead (no template): text the model was not
+--random-tokens L, prompts of L random token ids instead (no template, no control tokens): text the model was not
 trained to continue, where its MTP drafts are poor (demo model, k = 3: acceptance ~0.5 / 0.3 / 0.25 per
 position against ~0.95 / 0.9 / 0.85 on the chat prompts), the set the 'poor drafts' bars are measured on."""
 
@@ -15,6 +15,8 @@ from engine.gguf import open_gguf
 from engine.text.template import ChatTemplate
 from engine.text.tokenizer import Tokenizer
 from recipes.demo_model import corpus
+
+CONTROL = 3   # GGUF token type
 
 
 def bench_prompts(gguf_path: Path, n: int = 8) -> list[list[int]]:
@@ -32,18 +34,19 @@ def bench_prompts(gguf_path: Path, n: int = 8) -> list[list[int]]:
 
 
 def random_prompts(gguf_path: Path, n: int = 8, length: int = 32, seed: int = 7) -> list[list[int]]:
-    """n prompts of `length` token ids drawn uniformly (seeded) from the ordinary (NORMAL) tokens."""
+    """n prompts of `length` token ids drawn uniformly (seeded) from every token but the CONTROL ones
+    (which would end or restructure the text): ordinary ones and the vocabulary's unused and added ones."""
     tok = Tokenizer.from_gguf(open_gguf(gguf_path))
-    normal = [i for i in range(tok.n_vocab) if tok.token_type(i) == 1]
+    ids = [i for i in range(tok.n_vocab) if tok.token_type(i) != CONTROL]
     rng = random.Random(seed)
-    return [[rng.choice(normal) for _ in range(length)] for _ in range(n)]
+    return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", type=Path, default=Path("resources/demo-qwen35.gguf"))
     p.add_argument("-n", type=int, default=8)
-    p.add_argument("--random-tokens", type=int, metavar="L", help="prompts of L random ordinary token ids")
+    p.add_argument("--random-tokens", type=int, metavar="L", help="prompts of L random token ids (no control tokens)")
     p.add_argument("--seed", type=int, default=7, help="seed of --random-tokens (default 7)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
