@@ -104,8 +104,8 @@ def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor
         return _q8_0_words_product(x, p["qw"], p["d"])
     if t == T.I8:
         # one scale per row, applied once to the row's sum: the reduction over K is int8 -> float times the
-        # activation only (a Q8_0 block's scale is a third multiply per weight), ~0.7x Q8_0's time in a compiled
-        # draft step's products on an AVX-512 CPU (docs/benchmarks.md, thirty-fifth session)
+        # activation only (a Q8_0 block's scale is a third multiply per weight): a draft step's products 0.75x
+        # Q8_0's time alone, a draft row ~7 % cheaper in a chain (AVX-512 Xeon, docs/benchmarks.md, 35th session)
         q = p["q"]
         return torch.stack([(q.float() * x[m]).sum(-1) for m in range(x.shape[0])], dim=0) * p["d"].view(1, -1)
     if t == T.Q8_0 and _q8_0_groups:   # AVX2 (measured there); AVX-512's 16 lanes would span two blocks' scales
