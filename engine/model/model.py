@@ -422,6 +422,16 @@ class Qwen35Model(nn.Module):
             lg = self.head(rows, vocab)
         return hm, lg
 
+    @property
+    def untimed_calls(self) -> int:
+        """How many calls so far took a time that is not their kind's steady state: compiled in the calling
+        thread on first use (`--steps compiled`: seconds) or run eager while their kind compiles in the
+        background (`CompiledSteps`). Decode loops compare it around a step or round and do not let the MTP
+        policies learn from one that includes such a call (a compile inside the first round made it ~5 s, and
+        `auto` turned MTP off for the request). 0 without compiled steps."""
+        s = self._steps
+        return 0 if s is None else getattr(s, "n_eager_calls", 0) + getattr(s, "n_foreground_compiles", 0)
+
     def step1_rows(self, k: int) -> int:
         """The length one sequence's draft step 1 (queued entries and the pending token) is padded to for a
         chain of k drafts, 0 for none (eager steps): see `step1_pad`."""

@@ -333,6 +333,7 @@ class CompiledSteps:
         self.n_compiled_calls = 0
         self.n_direct_calls = 0                # compiled calls that ran an entry directly (its guards passed)
         self.n_eager_calls = 0                 # calls that ran eager because their kind was not ready
+        self.n_foreground_compiles = 0         # first calls of a kind compiled in the calling thread (blocking)
 
     # -- state -------------------------------------------------------------------------------------
     def status(self) -> tuple[str, str]:
@@ -477,6 +478,8 @@ class CompiledSteps:
             if out is None:              # beside a compile, where no graph's guards passed
                 self.n_eager_calls += 1
                 return None
+            if key not in self._ready and not self.background:
+                self.n_foreground_compiles += 1
             self._ready.add(key)
             self.n_compiled_calls += 1
             return out

@@ -329,6 +329,7 @@ class ModelBackend(SlotBackend):
 
     def _plain_steps(self, slots: list[int]) -> dict[int, SlotStep]:
         t0 = time.perf_counter()
+        u0 = self.model.untimed_calls       # RoundTiming.timed
         dev = self.model.device
         x = torch.tensor([[self.slots[s].run.pending] for s in slots], dtype=torch.long, device=dev)
         out = self.model.forward(x, self.cache, slots, logits="all", chunk=self.delta_chunk)
@@ -353,13 +354,14 @@ class ModelBackend(SlotBackend):
             self._emit(run, res, [tok])
             results[s] = res
         dt = time.perf_counter() - t0
+        timed = self.model.untimed_calls == u0
         # a full queue is written after the step's timer: it is the sync of many steps, not this step's cost
         self._flush_mtp(full)
         for s in slots:
             run = self.slots[s].run
             if self.has_mtp and run.uses_mtp:
-                run.controller.observe_plain(dt)
-                results[s].events.append(self._event(s, run, "plain", 0, 0, 1, RoundTiming(0.0, dt, 0.0)))
+                run.controller.observe_plain(dt if timed else 0.0)
+                results[s].events.append(self._event(s, run, "plain", 0, 0, 1, RoundTiming(0.0, dt, 0.0, timed)))
         return results
 
     def _rounds(self, slots: list[int], ks: list[int]) -> dict[int, SlotStep]:
@@ -377,6 +379,7 @@ class ModelBackend(SlotBackend):
         ride = len(spec) == 1 and len(self.slots[spec_slots[0]].mtp_queue_tokens) <= self.model.step1_queue_max(K)
         self._flush_mtp([] if ride else spec_slots)
         t0 = time.perf_counter()
+        u0 = self.model.untimed_calls       # RoundTiming.timed
         s0_host = [self.slots[s].run.pending for s in slots]
         s0 = torch.tensor([[t] for t in s0_host], dtype=torch.long, device=dev)
         P = [len(self.slots[s].tokens) for s in slots]
@@ -481,14 +484,14 @@ class ModelBackend(SlotBackend):
         t3 = time.perf_counter()
         # wall time of the whole batched pass, as a plain step's is of the whole batched step: each slot
         # waits for all rows of its batch (spec §5.1: timings include the other slots' rows)
-        timing = RoundTiming(t1 - t0, t2 - t1, t3 - t2)
+        timing = RoundTiming(t1 - t0, t2 - t1, t3 - t2, self.model.untimed_calls == u0)
         for i, s in enumerate(slots):
             run = self.slots[s].run
             if ks[i] == 0:
                 if self.has_mtp and run.uses_mtp:
-                    run.controller.observe_plain(timing.round_s)
+                    run.controller.observe_plain(timing.round_s if timing.timed else 0.0)
                     results[s].events.append(self._event(s, run, "plain", 0, 0, len(results[s].tokens),
-                                                         RoundTiming(0.0, timing.round_s, 0.0)))
+                                                         RoundTiming(0.0, timing.round_s, 0.0, timing.timed)))
                 continue
             run.controller.observe_round(ks[i], n_acc[i], timing)
             results[s].events.append(self._event(s, run, run.kind, ks[i], n_acc[i], len(results[s].tokens),

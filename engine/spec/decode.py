@@ -239,6 +239,7 @@ class SpecDecoder:
         """One plain step for every sequence of the group in one forward (and one MTP sync pass)."""
         t0 = self.opt.clock()
         m, cache = self.model, self.cache
+        u0 = m.untimed_calls
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
         x = torch.tensor([[s.pending] for s in seqs], dtype=torch.long, device=m.device)
@@ -250,6 +251,7 @@ class SpecDecoder:
         nxt = [self._sample_rows(s, out.logits[i]) for i, s in enumerate(seqs)]
         nxt = torch.cat(nxt).tolist()
         dt = self.opt.clock() - t0
+        timed = m.untimed_calls == u0           # no compile, no eager call beside one (RoundTiming.timed)
         for i, (s, dec) in enumerate(group):
             s.n_past += 1
             if self.uses_mtp:
@@ -264,7 +266,7 @@ class SpecDecoder:
             s.pending = nxt[i]
             s.checker.push(nxt[i])
             s.decode_s += dt
-            yield self._event(s, dec, 0, 0, 1, RoundTiming(0.0, dt, 0.0), "none", plain_s=dt)
+            yield self._event(s, dec, 0, 0, 1, RoundTiming(0.0, dt, 0.0, timed), "none", plain_s=dt if timed else 0.0)
 
     def _round(self, group: list[tuple[_Seq, Decision]], k: int) -> Iterator[RoundEvent]:
         """Draft k tokens per sequence, verify [s0, d1..dk] in one pass, accept, roll back (§2, §3)."""
@@ -286,6 +288,7 @@ class SpecDecoder:
                 self._flush_mtp(s)
                 s.decode_s += self.opt.clock() - t
         t0 = self.opt.clock()
+        u0 = m.untimed_calls
         P = [s.n_past for s in seqs]
         # draft step 1 also writes the queued entries (plain steps, the last round's accepted drafts) in
         # the same MTP pass: rows [queue..., s0] with hidden [queue_hidden..., carry], head on the last
@@ -393,7 +396,7 @@ class SpecDecoder:
             s.n_past = P[i] + keep + 1
             s.pending = ids[n_emit - 1]
         t3 = self.opt.clock()
-        timing = RoundTiming(t1 - t0, t2 - t1, t3 - t2)
+        timing = RoundTiming(t1 - t0, t2 - t1, t3 - t2, m.untimed_calls == u0)
         for i, (s, dec) in enumerate(group):
             a, keep, n_emit, _ = commits[i]
             s.decode_s += timing.round_s

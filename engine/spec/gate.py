@@ -47,6 +47,9 @@ class RoundTiming:
     draft_s: float
     verify_s: float
     post_s: float          # acceptance-time work: MTP cache update and rollback
+    # False where the round included a call whose time is not its steady state (a compile on first use, an
+    # eager call while its kind compiles: `Qwen35Model.untimed_calls`): policies count it, but learn no time
+    timed: bool = True
 
     @property
     def round_s(self) -> float:
@@ -63,7 +66,8 @@ class DraftController:
         raise NotImplementedError
 
     def observe_plain(self, step_s: float) -> None:
-        """A plain step (one main row + MTP cache sync) took `step_s` seconds."""
+        """A plain step (one main row + MTP cache sync) took `step_s` seconds (0: not timed, see
+        `RoundTiming.timed`)."""
 
     def observe_round(self, k: int, accepted: int, timing: RoundTiming) -> None:
         """A round verified `k` drafts and accepted `accepted` of them (before any stop)."""
@@ -154,7 +158,7 @@ class AdaptiveGate(DraftController):
         self.accept = update_ema(self.accept, accepted / k)
         self.windows += 1
         elapsed = timing.round_s
-        if elapsed > MIN_INTERVAL_S:
+        if timing.timed and elapsed > MIN_INTERVAL_S:     # as the seed drops intervals <= 100 us
             self.mtp_tps = update_ema(self.mtp_tps, n_output / elapsed)
         if self.windows < MIN_WINDOWS:
             return

@@ -251,6 +251,10 @@ class AutoPolicy(DraftController):
         return min(PROBE_MAX, max(0, int(loss / PROBE_BUDGET)))
 
     def observe_plain(self, step_s: float) -> None:
+        """step_s 0: a step not timed (`RoundTiming.timed`), counted towards probes but not calibration."""
+        self.plain_in_request += 1
+        if self.off:
+            self.plain_since_off += 1
         if step_s <= 0:
             return
         was_calibrating = self.state == CALIBRATING
@@ -258,9 +262,6 @@ class AutoPolicy(DraftController):
         if self.calibration_seen > 1:   # the first step of a fresh policy carries one-time costs
             self._plain_times.append(step_s)
             self.t_plain = _lower_quartile(self._plain_times)
-        self.plain_in_request += 1
-        if self.off:
-            self.plain_since_off += 1
         if was_calibrating and self.state != CALIBRATING:
             self._change = REASON_BASELINE
 
@@ -281,11 +282,12 @@ class AutoPolicy(DraftController):
             w = max(ALPHA_EMA, 1.0 / (self.alpha_n[j] + PRIOR_WEIGHT))
             prior = self.alpha[j] if self.alpha[j] is not None else self.alphas()[j - 1]
             self.alpha[j] = w * hit + (1.0 - w) * prior
-        self.t_draft = _ema(self.t_draft, timing.draft_s / k, TIME_EMA)
-        times = self._verify_times.setdefault(k + 1, deque(maxlen=VERIFY_WINDOW))
-        times.append(timing.verify_s)
-        self.t_verify[k + 1] = _lower_quartile(times)
-        self.t_post[k] = _ema(self.t_post.get(k), timing.post_s, TIME_EMA)
+        if timing.timed:   # a round with a compile (or an eager call beside one) teaches acceptance only
+            self.t_draft = _ema(self.t_draft, timing.draft_s / k, TIME_EMA)
+            times = self._verify_times.setdefault(k + 1, deque(maxlen=VERIFY_WINDOW))
+            times.append(timing.verify_s)
+            self.t_verify[k + 1] = _lower_quartile(times)
+            self.t_post[k] = _ema(self.t_post.get(k), timing.post_s, TIME_EMA)
         if self._probing:
             self._probing = False
             self.plain_since_off, self._floor = 0, None

@@ -543,6 +543,12 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in, kind):
         out = model.forward(toks, cache, [0], logits="last")
         model.mtp_forward(toks, out.hidden, cache, [0], logits="none")
         model.draft_chain(torch.tensor([[6]]), out.hidden[:, -1:], cache, [0], 3)
+        # each kind's first call compiled here, in the calling thread (no background worker): untimed calls
+        first = model.untimed_calls
+        assert first == model._steps.n_foreground_compiles == len(model._steps._ready) > 0
+        cache.truncate_mtp(0, cache.mtp_lengths[0] - 1)
+        model.draft_chain(torch.tensor([[6]]), out.hidden[:, -1:], cache, [0], 3)
+        assert model.untimed_calls == first                      # a ready kind's call is timed
     assert any(key[0] == "chain" for key in model._steps._ready) and traced_in
     # the copies' quants: int8 blocks, the words layout's [N, K/32, 8] float32 (PackedWeight.as_words), or rows
     layout = "q" if kind == "int8" else "qw" if codegen.avx2() else "qs"

@@ -358,3 +358,69 @@ def test_rys_copies_each_roll_back_their_own_state(tmp_path):
             assert _rel(dec.cache.ssm[b][0], plain[n]["ssm"][b]) <= 1e-5, (b, n)
             assert _rel(dec.cache.conv[b][0], plain[n]["conv"][b]) <= 1e-5, (b, n)
     assert dec.results()[0].tokens == greedy and rounds >= 5
+
+
+@pytest.mark.parametrize("mode", ["auto", "adaptive"])
+def test_steps_and_rounds_with_a_compile_inside_teach_the_policies_no_time(mode):
+    """With `--steps compiled` a kind's first call compiles in the decoding thread (seconds): such a plain
+    step or round (`Qwen35Model.untimed_calls` moved) reaches the policy untimed (`RoundTiming.timed` False, a
+    plain step as 0 s), every other one timed. A stand-in for the steps runs every call eager and sleeps 50 ms
+    at each kind's first call. Before, a compile inside the first round of a request made `auto` price rounds
+    at seconds and turn MTP off for the request (21 tokens at 3.3 tok/s on the demo model)."""
+    import time
+
+    from engine.spec.gate import AdaptiveGate
+    from engine.spec.policy import AutoPolicy
+    from tests.engine.spec.test_bench import FirstUseSteps
+
+    class CompilesOnFirstUse(FirstUseSteps):
+        n_foreground_compiles = 0
+
+        def _met(self, *key):
+            if key not in self.kinds:
+                self.n_foreground_compiles += 1
+                time.sleep(0.05)
+            super()._met(*key)
+
+    seen = []   # (k, seconds the loop measured, seconds or timing the policy got)
+
+    def recording(cls):
+        class Recording(cls):
+            def observe_plain(self, step_s):
+                seen.append((0, step_s))
+                super().observe_plain(step_s)
+
+            def observe_round(self, k, accepted, timing):
+                seen.append((k, timing))
+                super().observe_round(k, accepted, timing)
+        return Recording
+
+    model = get_model("models/tiny-qwen35-f32.gguf")
+    ref = get_ref("ref/tiny-qwen35.npz")
+    made = []
+
+    def factory(_i):
+        made.append(recording(AutoPolicy)(k_max=3) if mode == "auto" else recording(AdaptiveGate)(3))
+        return made[-1]
+    model._steps = CompilesOnFirstUse()
+    try:
+        dec = SpecDecoder(model, SpecOptions(mode=mode, n_draft=3, controller_factory=factory))
+        events = list(dec.stream([ref["prompt_33"].tolist()], StopRule(max_tokens=40)))
+    finally:
+        model._steps = None
+    c, = made
+    assert len(seen) == len(events)
+    n_slow = 0
+    for ev, (k, got) in zip(events, seen, strict=True):
+        assert ev.k == k
+        slow = ev.round_s >= 0.05                                   # a "compile" inside
+        n_slow += slow
+        if k == 0:
+            assert got == (0.0 if slow else ev.round_s)
+        else:
+            assert got.timed is not slow and got.round_s == ev.round_s
+    assert any(ev.k == 0 and ev.round_s >= 0.05 for ev in events)          # a plain step and a round slowed
+    assert any(ev.k and ev.round_s >= 0.05 for ev in events) and n_slow < len(events) // 2
+    if mode == "auto":
+        assert max(c._plain_times) < 0.05 and all(max(v) < 0.05 for v in c._verify_times.values())
+        assert c._verify_times and c.t_draft < 0.05 / 3

@@ -107,3 +107,18 @@ def test_fixed_policy():
     on, off = FixedPolicy(4), FixedPolicy(0)
     assert on.decide(8).k == 4 and on.decide(1).k == 1 and on.decide(0).kind == "plain"
     assert off.decide(8).k == 0 and not off.uses_mtp and on.uses_mtp
+
+
+def test_an_untimed_round_counts_its_window_and_acceptance_but_not_its_time():
+    """A round that included a compile or an eager call beside one (`RoundTiming.timed` False) is a window
+    with an acceptance sample, as any round, but no tokens/s sample (as the seed drops intervals <= 100 us);
+    an untimed plain step (0 s) is no baseline step."""
+    g = AdaptiveGate(2)
+    g.observe_plain(0.0)
+    assert g.baseline_seen == 0
+    _calibrate(g)
+    g.observe_round(2, 2, RoundTiming(1.0, 4.0, 0.5, timed=False))     # seconds: a compile inside
+    assert g.windows == 1 and g.accept == 1.0 and g.mtp_tps == 0.0
+    for _ in range(4):
+        g.observe_round(2, 2, _round(0.012))
+    assert g.mtp_tps == pytest.approx(3 / 0.012) and g.state == ON

@@ -304,3 +304,26 @@ def test_plain_cost_is_measured_in_a_run_of_plain_steps():
     # while MTP was on, plain steps came in runs of PLAIN_STREAK, one run per PLAIN_CHECK_EVERY rounds
     on = sim.kinds[3:sim.kinds.index("plain", 3 + PLAIN_CHECK_EVERY)]
     assert on.count("round") == PLAIN_CHECK_EVERY, on
+
+
+def test_an_untimed_round_or_step_teaches_acceptance_and_counts_but_no_time():
+    """A round that included a compile (seconds) or an eager call beside one (`RoundTiming.timed` False)
+    updates the acceptance estimates but none of the times; an untimed plain step (0 s) counts towards the
+    probe schedule but not the calibration. Before this, a compile inside the first round of a request
+    (`--steps compiled`) made `auto` price rounds at seconds and turn MTP off for the request."""
+    pol = AutoPolicy(4)
+    pol.observe_plain(0.0)
+    assert pol.state == CALIBRATING and pol.calibration_seen == 0 and pol.plain_in_request == 1
+    Sim().run(pol, 3)
+    times = (pol.t_draft, dict(pol.t_verify), dict(pol.t_post), pol.t_plain)
+    k = pol.decide(4).k
+    assert k > 0
+    pol.observe_round(k, k, RoundTiming(5.0, 5.0, 1.0, timed=False))
+    assert (pol.t_draft, pol.t_verify, pol.t_post, pol.t_plain) == times
+    assert pol.alpha_n[1] == 1 and pol.alpha[1] > 0.8 and not pol.off
+    assert pol.decide(4).k > 0                                   # still drafting: nothing priced at seconds
+    pol.observe_round(k, k, RoundTiming(0.2 * k, 1.5, 0.1))     # a timed round is learnt
+    assert pol.t_verify[k + 1] == 1.5
+    pol.off, pol.plain_since_off = True, 0
+    pol.observe_plain(0.0)
+    assert pol.plain_since_off == 1 and pol._plain_times[-1] != 0.0
