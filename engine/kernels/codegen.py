@@ -52,22 +52,26 @@ def byte_load(line: str) -> str | None:
 
 
 @functools.cache
-def avx2() -> bool:
-    """Whether inductor generates AVX2 code here (its C++ vectors 8 floats wide)."""
+def vec_isa() -> str | None:
+    """The vector instructions inductor's C++ uses on this CPU, as inductor names them ('avx2', 'avx512 ...',
+    '' for none): what the CPU reports, not its model (a virtual machine can hide AVX-512 from a CPU that has
+    it). None with a torch that does not have this helper."""
     try:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
-        return str(pick_vec_isa() or "") == "avx2"
-    except Exception:   # a torch without this helper: leave its code generation alone
-        return False
+        return str(pick_vec_isa() or "")
+    except Exception:
+        return None
+
+
+def avx2() -> bool:
+    """Whether inductor generates AVX2 code here (its C++ vectors 8 floats wide); False where unknown, which
+    leaves its code generation alone."""
+    return vec_isa() == "avx2"
 
 
 def avx512() -> bool:
     """Whether inductor generates AVX-512 code here (its C++ vectors 16 floats wide)."""
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-        return str(pick_vec_isa() or "").startswith("avx512")
-    except Exception:   # a torch without this helper
-        return False
+    return (vec_isa() or "").startswith("avx512")
 
 
 def install() -> bool:

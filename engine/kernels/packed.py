@@ -43,6 +43,14 @@ def _k_scales(sc12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _int8_symmetric(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] float32 -> (q int8 [..., n], d [..., 1]) with d = max|x| / 127 over the last dim and q = x / d
+    rounded half away from zero (0 where d is 0), as ggml's reference Q8_0 quantizer does per block."""
+    d = x.abs().amax(-1, keepdim=True) / 127
+    y = x * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    return (y.sign() * (y.abs() + 0.5).floor()).to(torch.int8), d
+
+
 class PackedWeight:
     """One 2-D `(N, K)` or 3-D `(X, N, K)` weight in a compact form; behaves like the weight tensor
     where the model uses it: `.matmul(x)` (x [..., K] -> [..., N] float32), `w[token_ids]` (rows of a
@@ -97,11 +105,8 @@ class PackedWeight:
         qs = torch.empty(N, K // 32, 32, dtype=torch.int8, device=w.device)
         d = torch.empty(N, K // 32, 1, dtype=torch.float32, device=w.device)
         for r in range(0, N, rows_at_once):
-            x = w[r:r + rows_at_once].float().reshape(-1, K // 32, 32)
-            dr = x.abs().amax(-1, keepdim=True) / 127
-            inv = torch.where(dr == 0, torch.zeros_like(dr), 1 / dr)
-            y = x * inv
-            qs[r:r + rows_at_once] = (y.sign() * (y.abs() + 0.5).floor()).to(torch.int8)
+            q, dr = _int8_symmetric(w[r:r + rows_at_once].float().reshape(-1, K // 32, 32))
+            qs[r:r + rows_at_once] = q
             d[r:r + rows_at_once] = dr.half().float()
         return cls(name, T.Q8_0, (N, K), {"qs": qs, "d": d})
 
@@ -117,12 +122,7 @@ class PackedWeight:
         q = torch.empty(N, K, dtype=torch.int8, device=w.device)
         d = torch.empty(N, 1, dtype=torch.float32, device=w.device)
         for r in range(0, N, rows_at_once):
-            x = w[r:r + rows_at_once].float()
-            dr = x.abs().amax(-1, keepdim=True) / 127
-            inv = torch.where(dr == 0, torch.zeros_like(dr), 1 / dr)
-            y = x * inv
-            q[r:r + rows_at_once] = (y.sign() * (y.abs() + 0.5).floor()).to(torch.int8)
-            d[r:r + rows_at_once] = dr
+            q[r:r + rows_at_once], d[r:r + rows_at_once] = _int8_symmetric(w[r:r + rows_at_once].float())
         return cls(name, T.I8, (N, K), {"q": q, "d": d})
 
     def as_words(self) -> PackedWeight:

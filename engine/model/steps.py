@@ -131,14 +131,13 @@ def choose(mode: str, device: torch.device | str) -> tuple[str, str]:
 
 
 def _vec_isa() -> str:
-    """The vector instructions inductor's C++ uses on this CPU (what the CPU reports, not its model: a
-    virtual machine can hide AVX-512 from a CPU that has it, and its kernels then run at half the width)."""
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-        isa = str(pick_vec_isa() or "").upper()
-    except Exception:   # a torch without this helper: the path still works, the width is just not named
+    """The vector instructions inductor's C++ uses on this CPU, named for the status line (a virtual machine
+    can hide AVX-512 from a CPU that has it, and its kernels then run at half the width)."""
+    from engine.kernels import codegen
+    isa = codegen.vec_isa()
+    if isa is None:      # a torch without this helper: the path still works, the width is just not named
         return "unknown"
-    return isa or "no SIMD"
+    return isa.upper() or "no SIMD"
 
 
 def min_packed(mode: str, device: torch.device | str) -> int | None:

@@ -361,7 +361,7 @@ class ModelBackend(SlotBackend):
             run = self.slots[s].run
             if self.has_mtp and run.uses_mtp:
                 run.controller.observe_plain(dt if timed else 0.0)
-                results[s].events.append(self._event(s, run, "plain", 0, 0, 1, RoundTiming(0.0, dt, 0.0, timed)))
+                results[s].events.append(self._event(s, run, "plain", 0, 0, 1, RoundTiming(0.0, dt, 0.0)))
         return results
 
     def _rounds(self, slots: list[int], ks: list[int]) -> dict[int, SlotStep]:
@@ -491,7 +491,7 @@ class ModelBackend(SlotBackend):
                 if self.has_mtp and run.uses_mtp:
                     run.controller.observe_plain(timing.round_s if timing.timed else 0.0)
                     results[s].events.append(self._event(s, run, "plain", 0, 0, len(results[s].tokens),
-                                                         RoundTiming(0.0, timing.round_s, 0.0, timing.timed)))
+                                                         RoundTiming(0.0, timing.round_s, 0.0)))
                 continue
             run.controller.observe_round(ks[i], n_acc[i], timing)
             results[s].events.append(self._event(s, run, run.kind, ks[i], n_acc[i], len(results[s].tokens),

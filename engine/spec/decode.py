@@ -266,7 +266,7 @@ class SpecDecoder:
             s.pending = nxt[i]
             s.checker.push(nxt[i])
             s.decode_s += dt
-            yield self._event(s, dec, 0, 0, 1, RoundTiming(0.0, dt, 0.0, timed), "none", plain_s=dt if timed else 0.0)
+            yield self._event(s, dec, 0, 0, 1, RoundTiming(0.0, dt, 0.0), "none", plain_s=dt if timed else 0.0)
 
     def _round(self, group: list[tuple[_Seq, Decision]], k: int) -> Iterator[RoundEvent]:
         """Draft k tokens per sequence, verify [s0, d1..dk] in one pass, accept, roll back (§2, §3)."""
