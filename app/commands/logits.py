@@ -58,13 +58,15 @@ def load_model_as(f, weights: str, steps: str, device: str = "cpu", dtype=None):
 DRAFT_VOCAB_HELP = ("MTP drafts choose among the first N token ids only, so a draft's output head reads N rows "
                     "instead of the whole vocabulary (BPE ids run roughly from most to least frequent; the "
                     "output stays exact, only acceptance can drop); all (default) or 1..vocabulary size")
-DRAFT_WEIGHTS_CHOICES = ("auto", "exact", "q8_0", "int8")
+DRAFT_WEIGHTS_CHOICES = ("auto", "exact", "q8_0", "int8", "int8_dots")
 DRAFT_WEIGHTS_HELP = ("the weights MTP drafts multiply by: q8_0 = Q8_0 copies of the MTP block's and the output "
                       "head's float (F32/F16/BF16) matrices, a quarter or half of the bytes a draft reads; int8 = "
-                      "int8 copies with one scale per row, as many bytes and less arithmetic (the output stays "
-                      "exact, only acceptance can change; CPU float32 only); exact = the file's; auto (default) = "
-                      "where the steps are compiled on CPU, int8 if their code has 512-bit vectors, else q8_0; "
-                      "exact elsewhere")
+                      "int8 copies with one scale per row, as many bytes and less arithmetic; int8_dots = those "
+                      "rows by the CPU's 8-bit dot products (AVX-512 VNNI), activations rounded to int8 too "
+                      "(built on first use; the output stays exact, only acceptance can change; CPU float32 "
+                      "only); exact = the file's; auto (default) = where the steps are compiled on CPU, "
+                      "int8_dots where the CPU has AVX-512 VNNI, else int8 if their code has 512-bit vectors, "
+                      "else q8_0; exact elsewhere")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -93,17 +95,20 @@ def apply_draft_options(model, vocab: str | int | None, weights: str | None, ste
 def auto_draft_weights(model, steps: str) -> str:
     """--draft-weights auto: copies only where the steps will be compiled on CPU for a float32 model (their
     products then cost no call of their own; eager steps would pay one per packed product,
-    `engine.model.steps.min_packed`); int8 rows where that code has 512-bit vectors (a draft row ~7 %
-    cheaper than Q8_0 on an AVX-512 Xeon, docs/benchmarks.md, thirty-fifth session), else Q8_0 (whose words
+    `engine.model.steps.min_packed`); where that code has 512-bit vectors, int8 rows by the CPU's 8-bit dot
+    products where it has AVX-512 VNNI (engine.kernels.int8_dots, thirty-sixth session), else by inductor's
+    code (a draft row ~7 % cheaper than Q8_0 on an AVX-512 Xeon, thirty-fifth session); else Q8_0 (whose words
     layout AVX2 code reads fastest: its int8 loads of 16 lanes are slow; other vector sets not measured)."""
     import torch
 
-    from engine.kernels import codegen
+    from engine.kernels import codegen, int8_dots
     from engine.model.steps import min_packed
 
     if model.dtype != torch.float32 or min_packed(steps, model.device) != 0:
         return "exact"
-    return "int8" if codegen.avx512() else "q8_0"
+    if codegen.avx512():
+        return "int8_dots" if int8_dots.available() else "int8"
+    return "q8_0"
 
 
 def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:

@@ -70,7 +70,8 @@ def dequant_view(t: T, p: dict[str, torch.Tensor]) -> torch.Tensor:
         w = p["w"]
         return w.float().view(w.shape[0], -1, 32) if w.shape[-1] % 32 == 0 else w.float().unsqueeze(-1)
     if t == T.I8:     # a draft copy's rows (PackedWeight.int8_rows_of): q [N, K] int8, d [N, 1] float32
-        w = p["q"].float() * p["d"]
+        q = p["q"].float() if "q" in p else p["qu"].to(torch.int16).float() - 128   # qu = q + 128 (as_int8_dots)
+        w = q * p["d"]
         return w.view(w.shape[0], -1, 32) if w.shape[-1] % 32 == 0 else w.unsqueeze(-1)
     raise ValueError(f"no packed kernel for {t.name}")
 
@@ -146,17 +147,21 @@ def _word_byte(wi: torch.Tensor, j: int) -> torch.Tensor:
 _PART_NAMES = {T.Q8_0: ("qs", "d"), T.Q4_K: ("qs", "d", "dmin", "sc", "mn"), T.Q6_K: ("ql", "qh", "sc", "d"),
                T.BF16: ("w",), T.F16: ("w",), T.I8: ("q", "d")}
 Q8_0_WORDS = ("qw", "d")   # a Q8_0 weight in the words layout (PackedWeight.as_words)
+INT8_DOTS = ("qu", "d")     # int8 rows for the CPU's 8-bit dot products (PackedWeight.as_int8_dots)
 
 
 def part_names(t: T, p: dict[str, torch.Tensor]) -> tuple[str, ...]:
     """The names of a packed weight's parts in the order compiled functions take them."""
+    if t == T.I8 and "qu" in p:
+        return INT8_DOTS
     return Q8_0_WORDS if t == T.Q8_0 and "qw" in p else _PART_NAMES[t]
 
 
 def _parts_dict(t: T, parts: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
     """Positional parts -> names; a Q8_0 weight's words (float32) tell its layout from its quants (int8)."""
     words = t == T.Q8_0 and parts[0].dtype == torch.float32
-    return dict(zip(Q8_0_WORDS if words else _PART_NAMES[t], parts, strict=True))
+    dots = t == T.I8 and parts[0].dtype == torch.uint8
+    return dict(zip(Q8_0_WORDS if words else INT8_DOTS if dots else _PART_NAMES[t], parts, strict=True))
 
 
 def sliced_product(t: T, p: dict[str, torch.Tensor], x: torch.Tensor, dequant=None) -> torch.Tensor:
@@ -273,6 +278,9 @@ def _compiled_dequant(t: T):
 def matmul(t: T, p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 -> x @ W.T [M, N] float32 for a packed 2-D weight."""
     m = x.shape[0]
+    if "qu" in p:   # the CPU's 8-bit dot products (engine.kernels.int8_dots), any number of rows: C++ already,
+        # so a compiled step calls it from its host code and an eager one directly
+        return torch.ops.mtpchat.int8_dots(x.float().contiguous(), p["qu"], p["d"].view(-1))
     if torch.compiler.is_compiling():
         # inside a compiled step (engine/model/steps.py): traced into the step's own graph
         if m <= SMALL_M:

@@ -125,6 +125,15 @@ class PackedWeight:
             q[r:r + rows_at_once], d[r:r + rows_at_once] = _int8_symmetric(w[r:r + rows_at_once].float())
         return cls(name, T.I8, (N, K), {"q": q, "d": d})
 
+    def as_int8_dots(self) -> PackedWeight:
+        """This int8-rows weight (`int8_rows_of`) in the form `engine.kernels.int8_dots` multiplies: the quants
+        with their top bit flipped (`qu`, uint8 = q + 128, the unsigned operand of the CPU's 8-bit dot
+        products), the scales `d` unchanged. A copy; other weights as they are."""
+        if self.ggml_type != T.I8 or "q" not in self.parts:
+            return self
+        qu = (self.parts["q"].view(torch.uint8) ^ 0x80).contiguous()
+        return PackedWeight(self.name, T.I8, tuple(self.shape), {"qu": qu, "d": self.parts["d"]})
+
     def as_words(self) -> PackedWeight:
         """This Q8_0 weight in the words layout (a copy): each block's 32 quants as 8 little-endian 32-bit
         words whose byte j of word i is element 8j + i, stored as float32 bit patterns (`qw`, never used as

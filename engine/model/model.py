@@ -146,12 +146,15 @@ class Qwen35Model(nn.Module):
         self.draft_vocab = None if n is None or n == V else int(n)
 
     def set_draft_weights(self, kind: str, what: str = "draft weights") -> None:
-        """The weights MTP draft chains multiply by: 'exact' (the file's), 'q8_0' or 'int8' (CPU, float32 models).
+        """The weights MTP draft chains multiply by: 'exact' (the file's), 'q8_0', 'int8' or 'int8_dots' (CPU,
+        float32 models).
 
         With 'q8_0' a chain reads Q8_0 copies (ggml's format, ~1.06 bytes a weight) of the nextn block's
         matrices and of the output head wherever the file holds them in a float type (F32, F16, BF16); with
         'int8' int8 copies with one scale per row (`PackedWeight.int8_rows_of`, ~1 byte a weight), whose
-        products skip the block scales' multiply. Weights already quantized are read as they are. A draft
+        products skip the block scales' multiply; with 'int8_dots' the same rows multiplied by the CPU's 8-bit
+        dot products, each activation row rounded to int8 too (`engine.kernels.int8_dots`: AVX-512 VNNI, built
+        on first use; an InputError where it cannot run). Weights already quantized are read as they are. A draft
         reads its weights once per drafted token, so on float files the chain reads a quarter (F32) or half
         (16-bit) of the bytes. Drafts are only proposals: verification keeps the output exact, and the MTP
         cache rows a chain keeps (its first step's) are computed with the exact eh_proj, attn_k and attn_v,
@@ -164,6 +167,11 @@ class Qwen35Model(nn.Module):
         if kind != "exact" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise InputError(f"{what}: {kind} draft weights run on CPU with float32 weights only "
                              f"(this model: {self.device.type}, {str(self.dtype).removeprefix('torch.')})")
+        if kind == "int8_dots":
+            from engine.kernels import int8_dots
+            ok, why = int8_dots.status()
+            if not ok:
+                raise InputError(f"{what}: int8_dots: the CPU's 8-bit dot products are {why}")
         twins: dict[int, DraftTwin] = {}
         if kind != "exact" and self.cfg.has_mtp:
             for n in self.cfg.nextn_blocks:
@@ -637,7 +645,7 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
     return model
 
 
-DRAFT_WEIGHTS = ("exact", "q8_0", "int8")
+DRAFT_WEIGHTS = ("exact", "q8_0", "int8", "int8_dots")
 # nextn matrices a draft copy keeps exact: the keys and values its cached rows hold (the row's input,
 # eh_proj, is chosen per call in `_mtp`), and lookup tables
 _DRAFT_EXACT = ("attn_k", "attn_v", "embed_tokens", "shared_head_head")
@@ -663,6 +671,8 @@ def _draft_weight(kind: str, name: str, w):
         return w
     if kind == "int8":
         return PackedWeight.int8_rows_of(name, src)
+    if kind == "int8_dots":
+        return PackedWeight.int8_rows_of(name, src).as_int8_dots()
     if src.shape[1] % 32:
         return w
     # our own copy, so where compiled kernels run AVX2 code in the layout they read fastest

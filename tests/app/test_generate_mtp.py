@@ -50,6 +50,21 @@ def test_every_mode_gives_the_plain_tokens_and_reports_mtp_stats(mtpchat):  # no
     # and by int8 copies with a scale per row: the same output
     i8 = _gen(mtpchat, "--mtp", "on", "--draft", "2", "--draft-weights", "int8")
     assert i8["tokens"] == off["tokens"] and i8["stats"]["drafted"] > 0
+    from engine.kernels import int8_dots
+    if int8_dots.available():   # and those rows by the CPU's 8-bit dot products, activations rounded to int8
+        dots = _gen(mtpchat, "--mtp", "on", "--draft", "2", "--draft-weights", "int8_dots")
+        assert dots["tokens"] == off["tokens"] and dots["stats"]["drafted"] > 0
+
+
+def test_int8_dots_switched_off_is_a_one_line_error(mtpchat, monkeypatch):  # noqa: F811
+    from engine.kernels import int8_dots
+    monkeypatch.setenv("MTPCHAT_INT8_DOTS", "off")
+    monkeypatch.setattr(int8_dots, "_state", {"ok": None, "reason": ""})
+    model = str(fixture_path(MODELS["dense"][0]))
+    r = mtpchat("generate", "--tokens", "1,2", "--max-tokens", "3", "--model", model, "--draft-weights", "int8_dots")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("error: --draft-weights: int8_dots: the CPU's 8-bit dot products are off "
+                                "(MTPCHAT_INT8_DOTS)"), r.stderr
 
 
 @pytest.mark.parametrize("args, message", [

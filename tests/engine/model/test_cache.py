@@ -358,15 +358,18 @@ def test_draft_vocabulary_drafts_among_its_first_token_ids(model):
     assert model.draft_vocab is None
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+@pytest.mark.parametrize("kind", ["q8_0", "int8", "int8_dots"])
 def test_draft_weights_leave_the_mtp_cache_exact(model, kind):
     """With `set_draft_weights('q8_0')` a chain multiplies by Q8_0 copies of the nextn block's matrices and
-    of the head ('int8': int8 copies with a scale per row), except attn_k / attn_v (the same tensors) and, for
+    of the head ('int8': int8 copies with a scale per row; 'int8_dots': those by the CPU's 8-bit dot
+    products), except attn_k / attn_v (the same tensors) and, for
     the row its first step keeps in the MTP cache, eh_proj: the cache after the chain is bitwise the one exact
     drafting leaves, while the drafts' hidden state comes from the copies (it differs where the file's
     weights are float); 'exact' undoes it."""
     from engine.errors import InputError
-    from engine.kernels import PackedWeight
+    from engine.kernels import PackedWeight, int8_dots
+    if kind == "int8_dots" and not int8_dots.available():
+        pytest.skip(f"int8 dot products {int8_dots.status()[1]}")
     k = 4
     t = _text(13, 5000)
     n = model.cfg.nextn_blocks[0]
@@ -393,7 +396,7 @@ def test_draft_weights_leave_the_mtp_cache_exact(model, kind):
             assert twin.block.attn_norm.weight is blk.attn_norm.weight
             copies = [twin.block.mixer.attn_q, twin.block.mixer.attn_output, twin.block.nextn.eh_proj]
             group = 32 if run == "q8_0" else None                 # a Q8_0 block, or a whole row
-            form = "Q8_0" if run == "q8_0" else "I8"
+            form = "Q8_0" if run == "q8_0" else "I8"                # int8_dots: I8 rows, quants + 128
             for mod, orig in zip(copies, [blk.mixer.attn_q, blk.mixer.attn_output, blk.nextn.eh_proj], strict=True):
                 assert isinstance(mod.weight, PackedWeight) and mod.weight.ggml_type.name == form
                 w = orig.weight.dense() if isinstance(orig.weight, PackedWeight) else orig.weight
@@ -403,7 +406,7 @@ def test_draft_weights_leave_the_mtp_cache_exact(model, kind):
                 assert (err <= blocks.abs().amax(-1) / 127 * 0.57 + 1e-12).all()
             assert isinstance(twin.head, PackedWeight) and twin.head.ggml_type.name == form
             # Q8_0: as_words where compiled kernels run AVX2 code
-            layout = "q" if run == "int8" else "qw" if codegen.avx2() else "qs"
+            layout = {"int8": "q", "int8_dots": "qu"}.get(run, "qw" if codegen.avx2() else "qs")
             assert layout in twin.head.parts and layout in twin.block.mixer.attn_q.weight.parts
             assert not any(mod is orig for mod, orig in zip(twin.block.modules(), blk.modules(), strict=True))
     (e1, e2), (q,) = runs["exact"], runs[kind]

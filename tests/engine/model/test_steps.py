@@ -524,15 +524,18 @@ def traced_in(monkeypatch):
     return traced
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+@pytest.mark.parametrize("kind", ["q8_0", "int8", "int8_dots"])
 def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in, kind):
     """With Q8_0 draft weights a chain reads Q8_0 copies of the nextn block's matrices and of the output head
-    (int8 ones with a scale per row with 'int8'); the head is held outside any module (`DraftTwin.head`), and
+    (int8 ones with a scale per row with 'int8', as uint8 for the CPU's dot products with 'int8_dots', which
+    the graph passes to that operator); the head is held outside any module (`DraftTwin.head`), and
     every such weight must still reach the traced graph with concrete sizes: a symbolic block size makes each
     draft's head product a loop of unknown bounds (demo model, one process, alternated per call: chain of 4
     drafts 0.668 -> 0.566 ms)."""
-    from engine.kernels import PackedWeight
+    from engine.kernels import PackedWeight, int8_dots
 
+    if kind == "int8_dots" and not int8_dots.available():
+        pytest.skip(f"int8 dot products {int8_dots.status()[1]}")
     model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
     model.compile_steps("compiled", background=False)
     model.set_draft_weights(kind)
@@ -551,7 +554,7 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in, kind):
         assert model.untimed_calls == first                      # a ready kind's call is timed
     assert any(key[0] == "chain" for key in model._steps._ready) and traced_in
     # the copies' quants: int8 blocks, the words layout's [N, K/32, 8] float32 (PackedWeight.as_words), or rows
-    layout = "q" if kind == "int8" else "qw" if codegen.avx2() else "qs"
+    layout = {"int8": "q", "int8_dots": "qu"}.get(kind, "qw" if codegen.avx2() else "qs")
     assert all(layout in h.parts for h in model.draft_heads())
 
     rows = {w.shape[0] for mod in model.draft_modules() for w in vars(mod).values() if isinstance(w, PackedWeight)}
@@ -559,17 +562,19 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in, kind):
 
     def quants(t: torch.Tensor) -> bool:      # activations lead with the batch (1), a weight's parts with N
         first = t.shape[0]
-        return t.dtype == torch.int8 or (t.dtype == torch.float32 and t.dim() == 3 and isinstance(first, int)
-                                         and first in rows - {1})
+        return t.dtype in (torch.int8, torch.uint8) or (t.dtype == torch.float32 and t.dim() == 3
+                                                         and isinstance(first, int) and first in rows - {1})
     parts = [n.meta["example_value"] for gm, _ in traced_in for n in gm.graph.nodes
              if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
              and quants(n.meta["example_value"])]
     head_rows = model.draft_heads()[0].shape[0]
     # the words layout's 8 words, a block's 32 int8 quants, or a row's
-    group = model.cfg.n_embd if kind == "int8" else 8 if codegen.avx2() else 32
+    group = model.cfg.n_embd if kind.startswith("int8") else 8 if codegen.avx2() else 32
     assert any(t.shape[0] == head_rows and t.shape[-1] == group for t in parts), [tuple(t.shape) for t in parts]
     symbolic = [tuple(t.shape) for t in parts if not all(isinstance(d, int) for d in t.shape)]
     assert not symbolic, symbolic
+    calls = {str(n.target) for gm, _ in traced_in for n in gm.graph.nodes if n.op == "call_function"}
+    assert any("int8_dots" in c for c in calls) == (kind == "int8_dots"), sorted(calls)
 
 
 def test_every_step_one_length_of_a_round_runs_as_one_kind_the_worker_compiles(traced_in):
