@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import fused
-from engine.model.layers import Linear, RMSNorm, apply_rope, in_row_products_graph
+from engine.model.layers import Linear, RMSNorm, apply_rope, in_row_products_graph, matmul_weight
 
 
 class KVView:
@@ -45,6 +45,11 @@ class KVView:
 class GatedAttention(nn.Module):
     """The attention mixer of one block. Parameter names are the GGUF tensor names (spec §3.4)."""
 
+    # a draft copy's attn_q, attn_k and attn_v rows as one weight (Qwen35Model.set_draft_weights('int8_dots')),
+    # for a draft chain's steps after the first, whose keys and values are scratch rows (`KVView.local`):
+    # one operator call instead of three; None in the model itself and where rows enter the cache
+    draft_qkv = None
+
     def __init__(self, cfg, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -62,11 +67,17 @@ class GatedAttention(nn.Module):
         positions 0..T-1 with no cache (the training path). Returns [B, T, E] float32."""
         B, T, _ = a.shape
         H, Hkv, D = self.n_head, self.n_head_kv, self.head_dim
-        qg = self.attn_q(a).reshape(B, T, H, 2 * D)     # per head: D query dims, then D gate dims
+        stored = kv is not None and kv.stored
+        if self.draft_qkv is not None and kv is not None and kv.local is not None:
+            qg, k, v = matmul_weight(a, self.draft_qkv).split([2 * H * D, Hkv * D, Hkv * D], dim=-1)
+            k = apply_rope(self.attn_k_norm(k.reshape(B, T, Hkv, D)), cos, sin)
+            v = v.reshape(B, T, Hkv, D)
+        else:
+            qg = self.attn_q(a)
+            k, v = (None, None) if stored else self._key_value(a, cos, sin)
+        qg = qg.reshape(B, T, H, 2 * D)                  # per head: D query dims, then D gate dims
         q, gate = qg[..., :D], qg[..., D:].reshape(B, T, H * D)
         q = apply_rope(self.attn_q_norm(q), cos, sin)
-        stored = kv is not None and kv.stored
-        k, v = (None, None) if stored else self._key_value(a, cos, sin)
         cdt = self.attn_q.weight.dtype
         if kv is None:
             o = F.scaled_dot_product_attention(

@@ -116,6 +116,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class SwiGLU(nn.Module):
     """Dense FFN: (silu(b Wg^T) * (b Wu^T)) Wd^T (spec §4.5). Tensors ffn_gate, ffn_up, ffn_down."""
 
+    # a draft copy's gate and up rows as one weight [2 n_ff, in] (Qwen35Model.set_draft_weights('int8_dots')):
+    # one operator call instead of two; None in the model itself
+    draft_gate_up = None
+
     def __init__(self, n_embd: int, n_ff: int, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
         self.ffn_gate = Linear(n_embd, n_ff, dtype, device)
@@ -123,4 +127,7 @@ class SwiGLU(nn.Module):
         self.ffn_down = Linear(n_ff, n_embd, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.draft_gate_up is not None:
+            gate, up = matmul_weight(x, self.draft_gate_up).chunk(2, dim=-1)
+            return self.ffn_down(F.silu(gate) * up)
         return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x))

@@ -684,7 +684,9 @@ def _draft_weight(kind: str, name: str, w):
 
 def _draft_twin(kind: str, mod: nn.Module, name: str = "") -> nn.Module:
     """A copy of `mod` and its submodules (new module objects, the same tensors) whose `Linear` weights
-    are in the draft form `kind` (`_draft_weight`), except those named in _DRAFT_EXACT."""
+    are in the draft form `kind` (`_draft_weight`), except those named in _DRAFT_EXACT. With 'int8_dots'
+    the products that read the same input are joined too (`_joined_rows`): gate and up, and for a chain's
+    scratch rows attn_q, attn_k and attn_v."""
     twin = copy.copy(mod)                          # a new object; its dicts still the original's
     twin._parameters = dict(mod._parameters)
     twin._buffers = dict(mod._buffers)
@@ -694,7 +696,31 @@ def _draft_twin(kind: str, mod: nn.Module, name: str = "") -> nn.Module:
         if w is not mod.weight:
             twin._parameters.pop("weight", None)
             twin.__dict__["weight"] = w
+    if kind == "int8_dots" and isinstance(mod, SwiGLU):
+        twin.__dict__["draft_gate_up"] = _joined_rows("ffn_gate_up", mod.ffn_gate, mod.ffn_up)
+    if kind == "int8_dots" and isinstance(mod, GatedAttention):
+        twin.__dict__["draft_qkv"] = _joined_rows("attn_qkv", mod.attn_q, mod.attn_k, mod.attn_v)
     return twin
+
+
+def _joined_rows(name: str, *mods: Linear) -> PackedWeight | None:
+    """One int8_dots weight holding the rows of several float weights of one input size, in order: their
+    products in one operator call. Rows are scaled one by one, so each part's rows equal its own copy's
+    (`_draft_weight`). None where a weight is already quantized or the sizes differ."""
+    srcs = []
+    for m in mods:
+        w = m.weight
+        if isinstance(w, PackedWeight):
+            if w.ggml_type not in (T.BF16, T.F16):
+                return None
+            w = w.parts["w"]
+        srcs.append(w)
+    if any(w.dim() != 2 or w.shape[1] != srcs[0].shape[1] for w in srcs):
+        return None
+    rows = [PackedWeight.int8_rows_of(name, w).parts for w in srcs]
+    n = sum(w.shape[0] for w in srcs)
+    return PackedWeight(name, T.I8, (n, srcs[0].shape[1]), {"q": torch.cat([r["q"] for r in rows]),
+                                                          "d": torch.cat([r["d"] for r in rows])}).as_int8_dots()
 
 
 def _first_rows(w, n: int | None):

@@ -409,6 +409,23 @@ def test_draft_weights_leave_the_mtp_cache_exact(model, kind):
             layout = {"int8": "q", "int8_dots": "qu"}.get(run, "qw" if codegen.avx2() else "qs")
             assert layout in twin.head.parts and layout in twin.block.mixer.attn_q.weight.parts
             assert not any(mod is orig for mod, orig in zip(twin.block.modules(), blk.modules(), strict=True))
+            if run == "int8_dots":   # products of one input joined: one operator call each
+                from engine.model.attention import GatedAttention
+                from engine.model.layers import SwiGLU
+                joined = [(m.draft_gate_up, [m.ffn_gate, m.ffn_up]) for m in twin.block.modules()
+                          if isinstance(m, SwiGLU)]
+                joined += [(m.draft_qkv, [m.attn_q, m.attn_k, m.attn_v]) for m in twin.block.modules()
+                           if isinstance(m, GatedAttention)]
+                assert joined
+                for w, parts in joined:
+                    # each part's rows as its own int8 copy holds them (attn_k / attn_v: copied for this only)
+                    own = [p.weight if isinstance(p.weight, PackedWeight) and "qu" in p.weight.parts else
+                           PackedWeight.int8_rows_of("x", p.weight.dense() if isinstance(p.weight, PackedWeight)
+                                                     else p.weight).as_int8_dots() for p in parts]
+                    assert torch.equal(w.parts["qu"], torch.cat([o.parts["qu"] for o in own]))
+                    assert torch.equal(w.parts["d"], torch.cat([o.parts["d"] for o in own]))
+                assert all(getattr(m, "draft_gate_up", None) is None and getattr(m, "draft_qkv", None) is None
+                           for m in blk.modules())
     (e1, e2), (q,) = runs["exact"], runs[kind]
     assert all(torch.equal(a, b) for a, b in zip(e1[:4], e2[:4], strict=True))  # 'exact' restores it
     assert e1[4] == q[4] and torch.equal(e1[2], q[2]) and torch.equal(e1[3], q[3])
