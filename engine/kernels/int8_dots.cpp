@@ -1,5 +1,5 @@
 // Products of float activations by int8 weight rows with one scale per row, by the CPU's 8-bit dot
-// product instructions (AVX-512 VNNI's vpdpbusd: 64 byte products summed into 16 int32 lanes a
+// product instructions (AVX-512 VNNI's vpdpbusd: 64 byte products summed into 16 int32 lanes by one
 // instruction). Built and loaded by engine/kernels/int8_dots.py; MTP draft chains call it.
 //
 //   mtpchat::int8_dots(x [M, K] float32, w [N, K] uint8, d [N] float32) -> [M, N] float32

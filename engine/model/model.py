@@ -154,7 +154,9 @@ class Qwen35Model(nn.Module):
         'int8' int8 copies with one scale per row (`PackedWeight.int8_rows_of`, ~1 byte a weight), whose
         products skip the block scales' multiply; with 'int8_dots' the same rows multiplied by the CPU's 8-bit
         dot products, each activation row rounded to int8 too (`engine.kernels.int8_dots`: AVX-512 VNNI, built
-        on first use; an InputError where it cannot run). Weights already quantized are read as they are. A draft
+        on first use; an InputError where it cannot run), and the products of one input joined into one call
+        (gate and up; attn_q, attn_k and attn_v for a chain's scratch rows, `_draft_twin`). Weights already
+        quantized are read as they are. A draft
         reads its weights once per drafted token, so on float files the chain reads a quarter (F32) or half
         (16-bit) of the bytes. Drafts are only proposals: verification keeps the output exact, and the MTP
         cache rows a chain keeps (its first step's) are computed with the exact eh_proj, attn_k and attn_v,
