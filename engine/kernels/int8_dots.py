@@ -70,12 +70,8 @@ def _load() -> tuple[bool, str]:
                 os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ.get('PATH', '')}"
         if not cpp_extension.is_ninja_available():
             return False, "not built: ninja is not on PATH (pip install ninja)"
-        folder = build_dir()
-        folder.mkdir(parents=True, exist_ok=True)
         if not hasattr(torch.ops.mtpchat, "int8_dots"):
-            cpp_extension.load(name="mtpchat_int8_dots", sources=[str(SOURCE)], build_directory=str(folder),
-                               extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=False)
+            _build_and_load(cpp_extension)
         _register_fake()
         if not _self_check():
             return False, "not used: the built operator's products differ from their reference"
@@ -83,6 +79,22 @@ def _load() -> tuple[bool, str]:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return False, f"not built: {first[:200]}"
     return True, f"AVX-512 VNNI (built in {build_dir()})"
+
+
+def _build_and_load(cpp_extension) -> None:
+    """Build (or find built) and load the operator. Processes take turns on a lock the system releases when
+    its holder ends, however it ends; the holder first removes the lock file torch's builder leaves behind
+    when a build is killed midway (`FileBaton`), on which every later build would otherwise wait forever."""
+    import fcntl
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "mtpchat-build.lock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name="mtpchat_int8_dots", sources=[str(SOURCE)], build_directory=str(folder),
+                           extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
 
 
 def _has_vnni() -> bool:

@@ -6,6 +6,7 @@ multiple of 16, several rows, one thread or two."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -116,3 +117,21 @@ def test_switched_off_it_is_not_used_and_asking_for_it_is_a_clear_error(monkeypa
                                          r"\(MTPCHAT_INT8_DOTS\)$"):
         model.set_draft_weights("int8_dots")
     assert model.draft_weights == "exact"
+
+
+def test_a_fresh_build_completes_past_a_lock_a_killed_build_left(dots, tmp_path):
+    """A build killed midway leaves torch's lock file in the build folder, on which torch's builder waits
+    forever; the next process must build and load anyway (a fresh cache folder, so this builds from scratch)."""
+    import subprocess
+    import sys
+
+    import torch as _torch
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    folder = tmp_path / "mtpchat" / "kernels" / f"torch-{_torch.__version__}"
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()
+    code = "from engine.kernels import int8_dots; print(int8_dots.status())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("(True, 'AVX-512 VNNI (built in "), r.stdout
+    assert str(folder) in r.stdout and not (folder / "lock").exists()
