@@ -12,7 +12,9 @@ The C++ is built once per torch version with torch's extension builder (a C++ co
 inductor needs) into mtpchat's cache folder, and loaded as the operator `torch.ops.mtpchat.int8_dots`,
 which compiled steps call from their C++ host code. `available()` says whether it runs here and why not:
 no VNNI, no toolchain, a failed build, or MTPCHAT_INT8_DOTS=off. Where it does not, draft products stay
-inductor's (`fused.small_m_product`).
+inductor's (`fused.small_m_product`). The operator runs AVX-512 VNNI (16 weight rows a block) where the CPU
+has it, else AVX-VNNI, the 256-bit form of the same instruction on CPUs without AVX-512 (8 rows a block);
+MTPCHAT_INT8_DOTS=avx2 takes the narrower form on a CPU that has both (tests, benches).
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ _state: dict = {"ok": None, "reason": ""}
 
 def build_dir() -> Path:
     """Where the operator's build lives: beside inductor's cache (resources.compile_cache_dir), one folder
-    per torch version (an extension is tied to the torch it was built against)."""
+    per torch version (an extension is tied to the torch it was built against) and source (two mtpchat
+    versions on one machine do not rebuild over each other's library)."""
+    import hashlib
+
     from engine.resources import compile_cache_dir
-    return compile_cache_dir().parent / "kernels" / f"torch-{torch.__version__}"
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    return compile_cache_dir().parent / "kernels" / f"torch-{torch.__version__}" / source
 
 
 def available() -> bool:
@@ -56,11 +62,17 @@ def status() -> tuple[bool, str]:
     return ok, _state["reason"]
 
 
+ISA_NAMES = {"avx512": "AVX-512 VNNI", "avx2": "AVX-VNNI (256-bit)"}
+
+
 def _load() -> tuple[bool, str]:
-    if os.environ.get("MTPCHAT_INT8_DOTS", "").strip().lower() in ("off", "0", "no"):
+    asked = os.environ.get("MTPCHAT_INT8_DOTS", "").strip().lower()
+    if asked in ("off", "0", "no"):
         return False, "off (MTPCHAT_INT8_DOTS)"
-    if not _has_vnni():
-        return False, "not used: this CPU reports no AVX-512 VNNI"
+    if asked not in ("", "avx512", "avx2"):
+        return False, f"off (MTPCHAT_INT8_DOTS={asked!r}: expected off, avx512 or avx2)"
+    if not _cpu_forms():
+        return False, "not used: this CPU reports neither AVX-512 VNNI nor AVX-VNNI"
     try:
         from torch.utils import cpp_extension
         if not cpp_extension.is_ninja_available():
@@ -73,12 +85,13 @@ def _load() -> tuple[bool, str]:
         if not hasattr(torch.ops.mtpchat, "int8_dots"):
             _build_and_load(cpp_extension)
         _register_fake()
+        isa = torch.ops.mtpchat.int8_dots_isa(asked)     # the widest form the CPU runs, or the one asked for
         if not _self_check():
             return False, "not used: the built operator's products differ from their reference"
     except Exception as exc:   # no compiler, headers missing, a read-only cache: inductor's products stay
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return False, f"not built: {first[:200]}"
-    return True, f"AVX-512 VNNI (built in {build_dir()})"
+    return True, f"{ISA_NAMES.get(isa, isa)} (built in {build_dir()})"
 
 
 def _build_and_load(cpp_extension) -> None:
@@ -97,17 +110,24 @@ def _build_and_load(cpp_extension) -> None:
                            is_python_module=False, verbose=False)
 
 
-def _has_vnni() -> bool:
-    """What the CPU reports (Linux's /proc/cpuinfo; elsewhere unknown, so no)."""
+def _cpu_forms() -> set[str]:
+    """The operator's forms the CPU reports the instructions for, as Linux's /proc/cpuinfo names them:
+    'avx512' (AVX-512 F/BW/VL with VNNI), 'avx2' (AVX2 and FMA with AVX-VNNI, which the first implies on
+    every CPU that has both). Elsewhere unknown, so none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+                    forms = set()
+                    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+                        forms.add("avx512")
+                    if {"avx2", "fma", "avx_vnni"} <= flags:
+                        forms.add("avx2")
+                    return forms
     except OSError:
         pass
-    return False
+    return set()
 
 
 _fake_registered = False

@@ -24,6 +24,20 @@ def dots():
     return int8_dots.int8_dots
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def form(request, dots):
+    """Each form of the operator this CPU runs: AVX-512 VNNI, and AVX-VNNI (256-bit), which CPUs without
+    AVX-512 take and AVX-512 CPUs with AVX-VNNI run too."""
+    isa = torch.ops.mtpchat.int8_dots_isa
+    was = isa("")
+    try:
+        isa(request.param)
+    except RuntimeError:
+        pytest.skip(f"this CPU does not run the {request.param} form")
+    yield request.param
+    isa(was)
+
+
 def _case(rng: random.Random, M: int, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     x = torch.randn(M, K, generator=g) * rng.choice([1e-3, 1.0, 40.0])
@@ -32,11 +46,11 @@ def _case(rng: random.Random, M: int, N: int, K: int) -> tuple[torch.Tensor, tor
     return x, w, d
 
 
-def test_products_equal_their_integer_rule_on_every_shape(dots):
+def test_products_equal_their_integer_rule_on_every_shape(dots, form):
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     shapes = [(1, 2048, 256), (1, 256, 512), (3, 37, 200), (8, 100, 1000), (2, 16, 64), (1, 5, 17), (1, 1, 1),
-              (4, 17, 63), (1, 33, 65), (7, 300, 128)]
+              (4, 17, 63), (1, 33, 65), (7, 300, 128), (2, 9, 31), (1, 8, 32), (3, 7, 7)]
     shapes += [(rng.randint(1, 8), rng.randint(1, 400), rng.randint(1, 700)) for _ in range(20)]
     for M, N, K in shapes:
         x, w, d = _case(rng, M, N, K)
@@ -44,7 +58,7 @@ def test_products_equal_their_integer_rule_on_every_shape(dots):
         if M > 1:
             x[1] = 0.0                       # a zero row: scale 0, every product 0
         got = dots(x, w, d)
-        assert got.shape == (M, N) and torch.equal(got, int8_dots.reference(x, w, d)), (seed, M, N, K)
+        assert got.shape == (M, N) and torch.equal(got, int8_dots.reference(x, w, d)), (form, seed, M, N, K)
 
 
 def test_the_reference_rounds_halves_away_from_zero_and_approximates_the_float_product():
@@ -65,7 +79,7 @@ def test_the_reference_rounds_halves_away_from_zero_and_approximates_the_float_p
     assert (err <= bound).all() and err.max() > 0
 
 
-def test_one_thread_and_two_give_the_same_products(dots):
+def test_one_thread_and_two_give_the_same_products(dots, form):
     x, w, d = _case(random.Random(3), 2, 4096, 256)      # 1 MiB of weights: split between threads
     n = torch.get_num_threads()
     try:
@@ -86,6 +100,8 @@ def test_bad_operands_raise(dots):
         dots(x[:, :32], w, d)
     with pytest.raises(RuntimeError, match="x must be a 2-D float32 tensor"):
         dots(x.double(), w, d)
+    with pytest.raises(RuntimeError, match="expected avx512 or avx2, got sse"):
+        torch.ops.mtpchat.int8_dots_isa("sse")
 
 
 def test_a_packed_int8_weight_in_the_dots_form_multiplies_by_the_operator(dots):
@@ -122,16 +138,19 @@ def test_switched_off_it_is_not_used_and_asking_for_it_is_a_clear_error(monkeypa
 def test_a_fresh_build_completes_past_a_lock_a_killed_build_left(dots, tmp_path):
     """A build killed midway leaves torch's lock file in the build folder, on which torch's builder waits
     forever; the next process must build and load anyway (a fresh cache folder, so this builds from scratch)."""
+    import hashlib
     import subprocess
     import sys
 
     import torch as _torch
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    folder = tmp_path / "mtpchat" / "kernels" / f"torch-{_torch.__version__}"
+    source = hashlib.sha256(int8_dots.SOURCE.read_bytes()).hexdigest()[:12]
+    folder = tmp_path / "mtpchat" / "kernels" / f"torch-{_torch.__version__}" / source
     folder.mkdir(parents=True)
     (folder / "lock").touch()
     code = "from engine.kernels import int8_dots; print(int8_dots.status())"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().startswith("(True, 'AVX-512 VNNI (built in "), r.stdout
+    assert r.stdout.strip().startswith("(True, 'AVX-512 VNNI (built in ") or \
+        r.stdout.strip().startswith("(True, 'AVX-VNNI (256-bit) (built in "), r.stdout
     assert str(folder) in r.stdout and not (folder / "lock").exists()
