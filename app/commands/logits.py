@@ -62,11 +62,11 @@ DRAFT_WEIGHTS_CHOICES = ("auto", "exact", "q8_0", "int8", "int8_dots")
 DRAFT_WEIGHTS_HELP = ("the weights MTP drafts multiply by: q8_0 = Q8_0 copies of the MTP block's and the output "
                       "head's float (F32/F16/BF16) matrices, a quarter or half of the bytes a draft reads; int8 = "
                       "int8 copies with one scale per row, as many bytes and less arithmetic; int8_dots = those "
-                      "rows by the CPU's 8-bit dot products (AVX-512 VNNI), activations rounded to int8 too "
+                      "rows by the CPU's 8-bit dot products (AVX-512 VNNI or AVX-VNNI), activations rounded to int8 too "
                       "(built on first use; the output stays exact, only acceptance can change; CPU float32 "
                       "only); exact = the file's; auto (default) = where the steps are compiled on CPU, "
-                      "int8_dots where the CPU has AVX-512 VNNI, else int8 if their code has 512-bit vectors, "
-                      "else q8_0; exact elsewhere")
+                      "int8_dots where the CPU has AVX-512 VNNI or AVX-VNNI, else int8 if their code has 512-bit "
+                      "vectors, else q8_0; exact elsewhere")
 
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -95,10 +95,11 @@ def apply_draft_options(model, vocab: str | int | None, weights: str | None, ste
 def auto_draft_weights(model, steps: str) -> str:
     """--draft-weights auto: copies only where the steps will be compiled on CPU for a float32 model (their
     products then cost no call of their own; eager steps would pay one per packed product,
-    `engine.model.steps.min_packed`); where that code has 512-bit vectors, int8 rows by the CPU's 8-bit dot
-    products where it has AVX-512 VNNI (engine.kernels.int8_dots, thirty-sixth session), else by inductor's
-    code (a draft row ~7 % cheaper than Q8_0 on an AVX-512 Xeon, thirty-fifth session); else Q8_0 (whose words
-    layout AVX2 code reads fastest: its int8 loads of 16 lanes are slow; other vector sets not measured)."""
+    `engine.model.steps.min_packed`); int8 rows by the CPU's 8-bit dot products where it has them
+    (engine.kernels.int8_dots: AVX-512 VNNI or AVX-VNNI; a draft row 0.81x `int8`'s with AVX-512 code, 0.73x
+    Q8_0's with AVX2 code on the same Xeon, thirty-sixth session); else int8 rows by inductor's code where that
+    has 512-bit vectors (~7 % cheaper than Q8_0 on an AVX-512 Xeon, thirty-fifth session); else Q8_0 (whose
+    words layout AVX2 code reads fastest: its int8 loads of 16 lanes are slow; other vector sets not measured)."""
     import torch
 
     from engine.kernels import codegen, int8_dots
@@ -106,9 +107,9 @@ def auto_draft_weights(model, steps: str) -> str:
 
     if model.dtype != torch.float32 or min_packed(steps, model.device) != 0:
         return "exact"
-    if codegen.avx512():
-        return "int8_dots" if int8_dots.available() else "int8"
-    return "q8_0"
+    if int8_dots.available():
+        return "int8_dots"
+    return "int8" if codegen.avx512() else "q8_0"
 
 
 def add_model_args(p: argparse.ArgumentParser, steps: str = "eager", weights: str = "auto") -> None:

@@ -9,7 +9,9 @@
 // half away from zero (the rule of ggml's reference Q8_0 quantizer), in float32 arithmetic step by step
 // as PyTorch does it, so a test can compute the same integers. Then
 //   out[m, n] = float(sum_k w[n, k] * xq[m, k] - 128 * sum_k xq[m, k]) * s[m] * d[n]
-// where the integer sum is exact (int32; K < 65,536).
+// where the integer sum is exact (int32; K < 65,536). Two forms, chosen by what the CPU runs: AVX-512 with
+// VNNI (16 weight rows a block) and AVX2 with AVX-VNNI (the 256-bit form, 8 rows a block); both give the
+// same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

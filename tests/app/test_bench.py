@@ -37,7 +37,7 @@ def test_bench_json_reports_every_configuration(tmp_path, mtpchat):  # noqa: F81
     assert doc["prompts"] == 2 and doc["clock"] == "cpu" and doc["peak_rss_mib"] > 0
     assert doc["draft_vocab"] == doc["n_vocab"] == 4096          # the default: drafts among every token
     # auto: copies for compiled steps only; int8 rows by the CPU's dot products where it has them
-    compiled_form = ("int8_dots" if int8_dots.available() else "int8") if codegen.avx512() else "q8_0"
+    compiled_form = "int8_dots" if int8_dots.available() else "int8" if codegen.avx512() else "q8_0"
     assert doc["draft_weights"] == (compiled_form if doc["steps"]["path"] == "compiled" else "exact")
     assert set(doc["weights"]) == {"dense float32"} and doc["weights"]["dense float32"] > 10  # F32: none packed
     bw = doc["bandwidth"]    # the machine's state beside the ratios
