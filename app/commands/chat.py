@@ -16,6 +16,7 @@ from app.commands.logits import (
     WEIGHTS_HELP,
     add_draft_args,
     apply_draft_options,
+    describe_draft_weights,
     load_model_as,
 )
 from engine.errors import InputError
@@ -71,6 +72,7 @@ class TerminalChat:
 
         model, self.steps_status, n_ctx, backend = in_passing_thread(build)
         self.matrices = describe_weights(weight_inventory(model))   # e.g. "27 packed Q8_0, 4 dense float32"
+        self.drafts = describe_draft_weights(model)                 # e.g. "int8_dots (AVX-512 VNNI)"
         self.scheduler = Scheduler(backend, text_factory(self.tokenizer.token_bytes), default_mtp=mtp,
                                    default_draft=draft)
         self.n_ctx = n_ctx
@@ -184,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
                         steps=args.steps, weights=args.weights, draft_vocab=args.draft_vocab,
                         draft_weights=args.draft_weights)
     path_, why = chat.steps_status
-    sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}; steps {path_}: {why}; matrices: {chat.matrices}). {HELP}\n")
+    sys.stderr.write(f"mtpchat: ready (MTP {args.mtp}; steps {path_}: {why}; matrices: {chat.matrices}; "
+                     f"draft weights: {chat.drafts}). {HELP}\n")
     try:
         while True:
             try:

@@ -92,6 +92,15 @@ def apply_draft_options(model, vocab: str | int | None, weights: str | None, ste
     model.set_draft_weights(weights, "--draft-weights")
 
 
+def describe_draft_weights(model) -> str:
+    """The draft weights in use for a status line, e.g. 'int8_dots (AVX-512 VNNI)'."""
+    kind = model.draft_weights
+    if kind != "int8_dots":
+        return kind
+    from engine.kernels import int8_dots
+    return f"{kind} ({int8_dots.status()[1].split(' (built in ')[0]})"
+
+
 def auto_draft_weights(model, steps: str) -> str:
     """--draft-weights auto: copies only where the steps will be compiled on CPU for a float32 model (their
     products then cost no call of their own; eager steps would pay one per packed product,

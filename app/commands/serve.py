@@ -17,6 +17,7 @@ from app.commands.logits import (
     WEIGHTS_HELP,
     add_draft_args,
     apply_draft_options,
+    describe_draft_weights,
     load_model_as,
 )
 from engine.errors import InputError
@@ -137,8 +138,9 @@ def build_state(args: argparse.Namespace):
         return model, steps, n_ctx_slot, backend
 
     model, (steps_path, steps_why), n_ctx_slot, backend = in_passing_thread(build)
-    logging.getLogger("mtpchat.serve").info("decode steps: %s (%s); matrices: %s", steps_path, steps_why,
-                                            describe_weights(weight_inventory(model)))
+    logging.getLogger("mtpchat.serve").info("decode steps: %s (%s); matrices: %s; draft weights: %s", steps_path,
+                                            steps_why, describe_weights(weight_inventory(model)),
+                                            describe_draft_weights(model))
     cfg = model.cfg
     scheduler = Scheduler(backend, text_factory(tokenizer.token_bytes), default_mtp=args.mtp,
                           default_draft=args.draft, queue_timeout_s=args.queue_timeout)

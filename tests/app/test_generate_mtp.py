@@ -86,3 +86,14 @@ def test_bad_mtp_flags_exit_2_with_one_line(args, message, mtpchat):  # noqa: F8
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_status_lines_name_the_draft_weights_and_the_dot_products_form():
+    from app.commands.logits import describe_draft_weights
+    from engine.kernels import int8_dots
+    from engine.model import load_model
+    model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
+    assert describe_draft_weights(model) == "exact"
+    if int8_dots.available():
+        model.set_draft_weights("int8_dots")
+        assert describe_draft_weights(model) in ("int8_dots (AVX-512 VNNI)", "int8_dots (AVX-VNNI (256-bit))")
