@@ -93,6 +93,28 @@ def test_compiled_steps_match_eager(name):
 
 
 @needs_cxx
+def test_int8_dots_drafts_in_compiled_rounds_keep_the_plain_tokens():
+    """Draft weights 'int8_dots' (engine.kernels.int8_dots, called from the compiled graphs' host code): greedy
+    rounds of one and of two sequences (a kind compiled for B = 2) give plain decoding's tokens, and drafts
+    are still accepted."""
+    from engine.kernels import int8_dots
+    if not int8_dots.available():
+        pytest.skip(f"int8 dot products {int8_dots.status()[1]}")
+    path, ref_path = MODELS["dense"]
+    prompts = _prompts(get_ref(ref_path))
+    m = load_model(fixture_path(path), packed=True, min_packed=0)
+    want = _gen(m, prompts[:1], "off", 1) + _gen(m, prompts[1:], "off", 1)
+    m.compile_steps("compiled", background=False)
+    m.set_draft_weights("int8_dots")
+    dec = SpecDecoder(m, SpecOptions(mode="on", n_draft=3))
+    events = list(dec.stream(prompts[:1], StopRule(max_tokens=32)))
+    got = [r.tokens for r in dec.results()] + _gen(m, prompts[1:], "on", 3)
+    assert got == want
+    assert sum(e.accepted for e in events if e.k > 0) > 0
+    assert any(key[0] == "round" and key[-1] == 2 for key in m._steps._ready), m._steps._ready
+
+
+@needs_cxx
 def test_wrong_drafts_run_in_the_fused_round():
     """With `set_wrong_drafts(True)` (bench --wrong-drafts) a greedy round still drafts and verifies in one
     compiled graph (a kind of its own: the offset is traced in), every draft is rejected and the tokens
