@@ -39,20 +39,32 @@ constexpr int64_t kRows = 16;     // weight rows a block multiplies at once (one
 // 256-bit VEX form of the same instruction, on CPUs without AVX-512: Intel's since Alder Lake).
 enum Isa { kNone = 0, kAvx2Vnni = 1, kAvx512Vnni = 2 };
 
-Isa cpu_isa() {
+bool has_avx512_vnni() {
 #ifdef MTPCHAT_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-    return kAvx512Vnni;
-  // AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4 (this libgcc's __builtin_cpu_supports does not know it)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __get_cpuid_count(7, 1, &a, &b, &c, &d) &&
-      (a & (1u << 4)))
-    return kAvx2Vnni;
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
 #endif
-  return kNone;
 }
+
+// AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4 (this libgcc's __builtin_cpu_supports does not know it). Not
+// implied by AVX-512 VNNI: Ice Lake and Cascade Lake have that one only.
+bool has_avx_vnni() {
+#ifdef MTPCHAT_X86
+  __builtin_cpu_init();
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __get_cpuid_count(7, 1, &a, &b, &c, &d) &&
+         (a & (1u << 4));
+#else
+  return false;
+#endif
+}
+
+bool runs(Isa isa) { return isa == kAvx512Vnni ? has_avx512_vnni() : isa == kAvx2Vnni && has_avx_vnni(); }
+
+Isa cpu_isa() { return runs(kAvx512Vnni) ? kAvx512Vnni : runs(kAvx2Vnni) ? kAvx2Vnni : kNone; }
 
 // The set in use: the best the CPU has, or a narrower one asked for (`int8_dots_isa`, tests and benches).
 Isa g_isa = cpu_isa();
@@ -286,10 +298,9 @@ at::Tensor int8_dots(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // this CPU has (tests run the AVX2 form on AVX-512 CPUs this way).
 std::string int8_dots_isa(const std::string& want) {
   if (!want.empty()) {
-    const Isa cpu = cpu_isa();
-    Isa isa = want == "avx512" ? kAvx512Vnni : want == "avx2" ? kAvx2Vnni : kNone;
+    const Isa isa = want == "avx512" ? kAvx512Vnni : want == "avx2" ? kAvx2Vnni : kNone;
     TORCH_CHECK(isa != kNone, "int8_dots_isa: expected avx512 or avx2, got ", want);
-    TORCH_CHECK(isa <= cpu, "int8_dots_isa: this CPU does not run the ", want, " form");
+    TORCH_CHECK(runs(isa), "int8_dots_isa: this CPU does not run the ", want, " form");
     g_isa = isa;
   }
   return isa_name(g_isa);

@@ -71,8 +71,11 @@ def _load() -> tuple[bool, str]:
         return False, "off (MTPCHAT_INT8_DOTS)"
     if asked not in ("", "avx512", "avx2"):
         return False, f"off (MTPCHAT_INT8_DOTS={asked!r}: expected off, avx512 or avx2)"
-    if not _cpu_forms():
+    forms = _cpu_forms()
+    if not forms:
         return False, "not used: this CPU reports neither AVX-512 VNNI nor AVX-VNNI"
+    if asked and asked not in forms:
+        return False, f"off (MTPCHAT_INT8_DOTS={asked}: this CPU reports no {ISA_NAMES[asked]})"
     try:
         from torch.utils import cpp_extension
         if not cpp_extension.is_ninja_available():
@@ -112,8 +115,8 @@ def _build_and_load(cpp_extension) -> None:
 
 def _cpu_forms() -> set[str]:
     """The operator's forms the CPU reports the instructions for, as Linux's /proc/cpuinfo names them:
-    'avx512' (AVX-512 F/BW/VL with VNNI), 'avx2' (AVX2 and FMA with AVX-VNNI, which the first implies on
-    every CPU that has both). Elsewhere unknown, so none."""
+    'avx512' (AVX-512 F/BW/VL with VNNI), 'avx2' (AVX2 and FMA with AVX-VNNI, a separate flag: Ice Lake has
+    the first only, Alder Lake the second only). Elsewhere unknown, so none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
