@@ -156,9 +156,8 @@ class Qwen35Model(nn.Module):
         dot products, each activation row rounded to int8 too (`engine.kernels.int8_dots`: AVX-512 VNNI, built
         on first use; an InputError where it cannot run), and the products of one input joined into one call
         (gate and up; attn_q, attn_k and attn_v for a chain's scratch rows, `_draft_twin`). Weights already
-        quantized are read as they are. A draft
-        reads its weights once per drafted token, so on float files the chain reads a quarter (F32) or half
-        (16-bit) of the bytes. Drafts are only proposals: verification keeps the output exact, and the MTP
+        quantized are read as they are. A draft reads its weights once per drafted token, so on float files
+        the chain reads a quarter (F32) or half (16-bit) of the bytes. Drafts are only proposals: verification keeps the output exact, and the MTP
         cache rows a chain keeps (its first step's) are computed with the exact eh_proj, attn_k and attn_v,
         so the MTP cache stays what exact drafting leaves (spec §1.5); only the draft tokens, hence
         acceptance, can differ. `mtp_forward` (cache commits, --mtp-out, imatrix) always uses the exact
@@ -706,23 +705,15 @@ def _draft_twin(kind: str, mod: nn.Module, name: str = "") -> nn.Module:
 
 
 def _joined_rows(name: str, *mods: Linear) -> PackedWeight | None:
-    """One int8_dots weight holding the rows of several float weights of one input size, in order: their
-    products in one operator call. Rows are scaled one by one, so each part's rows equal its own copy's
-    (`_draft_weight`). None where a weight is already quantized or the sizes differ."""
-    srcs = []
-    for m in mods:
-        w = m.weight
-        if isinstance(w, PackedWeight):
-            if w.ggml_type not in (T.BF16, T.F16):
-                return None
-            w = w.parts["w"]
-        srcs.append(w)
-    if any(w.dim() != 2 or w.shape[1] != srcs[0].shape[1] for w in srcs):
+    """One int8_dots weight holding the rows of several weights of one input size, in order: their products
+    in one operator call. Rows are scaled one by one, so each part's rows are its own copy's (`_draft_weight`).
+    None where a weight has no such copy (already quantized, not 2-D) or the sizes differ."""
+    parts = [_draft_weight("int8_dots", name, m.weight) for m in mods]
+    if any(not isinstance(w, PackedWeight) or "qu" not in w.parts or w.shape[1] != parts[0].shape[1]
+           for w in parts):
         return None
-    rows = [PackedWeight.int8_rows_of(name, w).parts for w in srcs]
-    n = sum(w.shape[0] for w in srcs)
-    return PackedWeight(name, T.I8, (n, srcs[0].shape[1]), {"q": torch.cat([r["q"] for r in rows]),
-                                                          "d": torch.cat([r["d"] for r in rows])}).as_int8_dots()
+    return PackedWeight(name, T.I8, (sum(w.shape[0] for w in parts), parts[0].shape[1]),
+                        {key: torch.cat([w.parts[key] for w in parts]) for key in ("qu", "d")})
 
 
 def _first_rows(w, n: int | None):
