@@ -789,3 +789,32 @@ def test_a_compiled_step_in_a_decoding_thread_is_not_slowed_by_other_threads_ope
     times = {int(n): t for n, t in doc["times"].items()}
     assert doc["compiled"] >= 200, doc
     assert max(times.values()) <= 2.0 * times[1], times
+
+
+@needs_cxx
+@pytest.mark.parametrize("background", [False, True])
+def test_compiled_kinds_leave_no_trace_state_alive(background):
+    """A server meets dozens of kinds of call; each compile used to leave its traced graph (nodes, example
+    FakeTensors, stack traces) alive through the compiled function, and its ShapeEnv through ShapeEnv's
+    class-level method caches (~9 MiB a kind). After each kind compiles, neither stays reachable, and the
+    compiled kinds still give plain decoding's tokens."""
+    import gc
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    ref = get_ref(MODELS["dense"][1])
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    model.compile_steps("compiled", background=background)
+    prompts = _prompts(ref)[:2]
+    want = _gen(model, prompts, "off", 1)
+    for _ in range(2):                      # background: the second pass runs the kinds compiled meanwhile
+        got = _gen(model, prompts, "on", 2)
+        if background:
+            assert model._steps.drain(600)
+    assert got == want and model._steps.kinds_ready >= 3 and model._steps.n_compiled_calls > 0
+    gc.collect()
+    graphs = [o for o in gc.get_objects() if isinstance(o, torch.fx.GraphModule)
+              and any("example_value" in n.meta for n in o.graph.nodes)]
+    assert graphs == []
+    cached = {name: v.cache_info().currsize for name, v in vars(ShapeEnv).items() if hasattr(v, "cache_info")}
+    assert cached and not any(cached.values()), cached
