@@ -642,7 +642,6 @@ class CompiledSteps:
                 with torch.inference_mode(), _GilHandoff():
                     self._warm(key, shape, args, fixed_rows)
                 self._ready.add(key)
-                _drop_trace_leftovers(self._walked)
                 log.info("compiled step ready: %s", key[:5])
             except Exception as exc:
                 self._fail(exc)
@@ -694,6 +693,7 @@ class CompiledSteps:
             # its graph, for calls while the worker compiles the next kinds (`_call`)
             if self._direct:
                 self._entries[key] = _guarded_entries(fn)
+            _drop_trace_leftovers(self._walked)   # under the lock: no trace runs in another thread meanwhile
 
     def _fail(self, exc: BaseException) -> None:
         if self._closed:        # interpreter shutdown stopped a compilation: nothing to report
