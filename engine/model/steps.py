@@ -174,14 +174,15 @@ _TRACE_CONVENIENCES = ("zero_grad", "named_parameters", "named_buffers")
 def _drop_trace_leftovers(done: set[int]) -> None:
     """Release what torch keeps of a finished compile that no compiled call reads, after each kind compiles.
 
-    Measured with a server's load (4 slots, compiled steps, the f32 fixture): RSS grew ~9 MiB per compiled
-    kind, ~60 kinds over the first minutes. Two holders of dead trace state:
+    Each kind compiled kept 8.6 MiB (the f32 fixture, one process), and a 4-slot server meets ~50 kinds over
+    its first minutes (docs/benchmarks.md, thirty-seventh session). Two holders of dead trace state:
     - dynamo installs each compiled function as a global of the traced function's module (this one); the
       function carries bound methods of the traced GraphModule (`_TRACE_CONVENIENCES`), so every graph's
       nodes, their FakeTensors and stack traces stayed alive;
     - ShapeEnv's methods are memoized by class-level caches keyed by the instance, so every compile's
       ShapeEnv (its guards, sympy expressions, fake-tensor dispatch cache) stayed alive.
-    The compiled code, its guards and its kernels are untouched; the caches only memoize.
+    The compiled code, its guards and its kernels are untouched; the caches only memoize. Left: ~6 MiB a
+    kind, the ShapeEnvs still held from C++ (symbolic sizes of the guards' FakeTensors) among it.
     `done`: ids of the compiled functions already walked."""
     stack = [f for name, f in list(globals().items()) if name.startswith("__compiled_fn") and id(f) not in done]
     while stack:
