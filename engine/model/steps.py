@@ -171,7 +171,10 @@ def _fresh(fn, name: str):
 _TRACE_CONVENIENCES = ("zero_grad", "named_parameters", "named_buffers")
 
 
-def _drop_trace_leftovers(done: set[int]) -> None:
+_WALKED: set[int] = set()     # ids of the compiled functions (kept for good by this module) already walked
+
+
+def _drop_trace_leftovers() -> None:
     """Release what torch keeps of a finished compile that no compiled call reads, after each kind compiles.
 
     Each kind compiled kept 8.6 MiB (the f32 fixture, one process), and a 4-slot server meets ~50 kinds over
@@ -182,15 +185,14 @@ def _drop_trace_leftovers(done: set[int]) -> None:
     - ShapeEnv's methods are memoized by class-level caches keyed by the instance, so every compile's
       ShapeEnv (its guards, sympy expressions, fake-tensor dispatch cache) stayed alive.
     The compiled code, its guards and its kernels are untouched; the caches only memoize. Left: ~6 MiB a
-    kind, the ShapeEnvs still held from C++ (symbolic sizes of the guards' FakeTensors) among it.
-    `done`: ids of the compiled functions already walked."""
-    stack = [f for name, f in list(globals().items()) if name.startswith("__compiled_fn") and id(f) not in done]
+    kind, the ShapeEnvs still held from C++ (symbolic sizes of the guards' FakeTensors) among it."""
+    stack = [f for name, f in list(globals().items()) if name.startswith("__compiled_fn") and id(f) not in _WALKED]
     while stack:
         f = stack.pop()
         attrs = getattr(f, "__dict__", None)
-        if attrs is None or id(f) in done:
+        if attrs is None or id(f) in _WALKED:
             continue
-        done.add(id(f))
+        _WALKED.add(id(f))
         for name in _TRACE_CONVENIENCES:
             attrs.pop(name, None)
         stack.extend(v for v in (attrs.get("__wrapped__"), attrs.get("_torchdynamo_orig_callable"),
@@ -371,7 +373,6 @@ class CompiledSteps:
         self.n_direct_calls = 0                # compiled calls that ran an entry directly (its guards passed)
         self.n_eager_calls = 0                 # calls that ran eager because their kind was not ready
         self.n_foreground_compiles = 0         # first calls of a kind compiled in the calling thread (blocking)
-        self._walked: set[int] = set()         # compiled functions whose trace leftovers are dropped
 
     # -- state -------------------------------------------------------------------------------------
     def status(self) -> tuple[str, str]:
@@ -518,7 +519,7 @@ class CompiledSteps:
                 return None
             if key not in self._ready and not self.background:
                 self.n_foreground_compiles += 1
-                _drop_trace_leftovers(self._walked)
+                _drop_trace_leftovers()
             self._ready.add(key)
             self.n_compiled_calls += 1
             return out
@@ -694,7 +695,7 @@ class CompiledSteps:
             # its graph, for calls while the worker compiles the next kinds (`_call`)
             if self._direct:
                 self._entries[key] = _guarded_entries(fn)
-            _drop_trace_leftovers(self._walked)   # under the lock: no trace runs in another thread meanwhile
+            _drop_trace_leftovers()   # under the lock: no trace runs in another thread meanwhile
 
     def _fail(self, exc: BaseException) -> None:
         if self._closed:        # interpreter shutdown stopped a compilation: nothing to report

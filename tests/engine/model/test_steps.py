@@ -796,7 +796,7 @@ def test_a_compiled_step_in_a_decoding_thread_is_not_slowed_by_other_threads_ope
 def test_compiled_kinds_leave_no_trace_state_alive(background):
     """A server meets dozens of kinds of call; each compile used to leave its traced graph (nodes, example
     FakeTensors, stack traces) alive through the compiled function, and its ShapeEnv through ShapeEnv's
-    class-level method caches (~9 MiB a kind). After each kind compiles, neither stays reachable, and the
+    class-level method caches (8.6 MiB a kind). After each kind compiles, neither stays reachable, and the
     compiled kinds still give plain decoding's tokens."""
     import gc
 
