@@ -124,10 +124,12 @@ class GatedAttention(nn.Module):
     def _store(k: torch.Tensor, v: torch.Tensor, kv: KVView) -> None:
         """Write k, v [B, T, Hkv, D] (k after norm + RoPE, as the cache stores it) at kv.positions."""
         if kv.single is not None:                              # one row: views, no gather
+            # slices, not an index: an int index (the slot) made dynamo specialise the graph on it, one
+            # graph per slot, each traced in the decoding thread when its slot first came
             s, p0 = kv.single
             T = k.shape[1]
-            kv.k[s, p0:p0 + T] = k[0]
-            kv.v[s, p0:p0 + T] = v[0]
+            kv.k[s:s + 1, p0:p0 + T] = k
+            kv.v[s:s + 1, p0:p0 + T] = v
         else:
             rows = kv.slot_idx[:, None]
             kv.k[rows, kv.positions] = k.to(kv.k.dtype)

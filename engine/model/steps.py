@@ -54,13 +54,23 @@ def _dynamo_settings() -> None:
     - the model's float attributes (norm eps, rope theta) are constants: traced as such, not as graph
       inputs converted to float64 tensors on every call (15 per decode step of the demo model; with the
       setting made only where the model was loaded, the background worker traced them as inputs)
-    - a higher recompile limit per code object (one per kind of call; shape specialisations recompile)"""
+    - a higher recompile limit per code object (one per kind of call; shape specialisations recompile)
+    - no duck shaping: with it a dynamic size equal to a static one when traced became that constant. A
+      batch of 4 sequences verifying 4 rows each (T is static) gave a graph for B = 4 only, and a batch of 3
+      then retraced it in the decoding thread, every other thread's request waiting (a 4-slot server did so
+      for 11 kinds of call in its first 200 s, thirty-eighth session). Each dynamic size is its own symbol."""
     if _SETTINGS_SET.get():
         return
     cfg = torch._dynamo.config
     if getattr(cfg, "recompile_limit", _RECOMPILE_LIMIT) < _RECOMPILE_LIMIT:
         cfg.recompile_limit = _RECOMPILE_LIMIT
     cfg.specialize_float = True
+    try:
+        from torch.fx.experimental import _config as fx_config
+    except ImportError:      # another torch: duck shaping stays on, a batch size may then retrace
+        fx_config = None
+    if hasattr(fx_config, "use_duck_shape"):
+        fx_config.use_duck_shape = False
     _SETTINGS_SET.set(True)
 
 
@@ -206,23 +216,43 @@ def _drop_trace_leftovers() -> None:
             v.cache_clear()
 
 
+# Dynamo specialises the ints 0 and 1: a graph traced at slot 2 served no call for slot 0 or 1, so one
+# sequence's every kind of call compiled once per slot class, and a 4-slot server met ~50 kinds where ~25 do
+# (thirty-eighth session). The step functions' int arguments that carry a slot, a start or a key count reach
+# a graph lifted by _LIFT, never 0 or 1, and the step lowers them again inside the graph (a subtraction on a
+# symbol): one graph serves every slot (a start of 0 stays a kind of its own: `_one`).
+_LIFT = 2
+# per kind, the positions in the step's arguments of `n_keys` and of `single` (slot, start) or None
+_SLOT_INTS = {"main": (4, 5), "mtp": (5, 6), "chain": (5, 6), "round": (5, 6, 8, 9)}
+
+
+def _shift(kind: str, args: tuple, by: int) -> tuple:
+    """args with their slot, start and key-count ints moved by `by` (+_LIFT before a compiled call, -_LIFT
+    in the step function)."""
+    out = list(args)
+    for i in _SLOT_INTS[kind]:
+        v = out[i]
+        out[i] = v + by if isinstance(v, int) else None if v is None else (v[0] + by, v[1] + by)
+    return tuple(out)
+
+
 def _main_step(model, *args):
     # T is fixed per graph, so a verification's per-token delta-rule loop (T <= RECURRENT_MAX_T) unrolls
     # into one graph: the demo model verifies 4 rows in 1.42 plain steps this way, 1.64 with the chunked
     # form (same process, interleaved), and the recurrence is the one plain decoding runs
-    return model._main(*args)
+    return model._main(*_shift("main", args, -_LIFT))
 
 
 def _mtp_step(model, *args):
-    return model._mtp(*args)
+    return model._mtp(*_shift("mtp", args, -_LIFT))
 
 
 def _chain_step(model, *args):
-    return model._chain(*args)
+    return model._chain(*_shift("chain", args, -_LIFT))
 
 
 def _round_step(model, *args):
-    return model._round(*args)
+    return model._round(*_shift("round", args, -_LIFT))
 
 
 _STEPS = {"main": _main_step, "mtp": _mtp_step, "chain": _chain_step, "round": _round_step}
@@ -242,11 +272,13 @@ def _weights_static(model) -> None:
                 torch._dynamo.mark_static(t)
 
 
-def _one(single) -> tuple[int, int] | None:
-    """A single-sequence call's (slot, start) as the compiled graph sees them: dynamo specialises the ints 0
-    and 1 (a graph traced at slot 2 serves every slot >= 2, not slot 0 or 1), so the kind of call keeps them
-    (a call for another slot would otherwise retrace in the caller's thread, ~1 s); None for several."""
-    return None if single is None else (min(single[0], 2), min(single[1], 2))
+def _one(single) -> int | None:
+    """A single-sequence call's start class as its kind keeps it (0, or 1 for every later start); None
+    for several sequences. The slot is not part of the kind: the graph sees it lifted (`_LIFT`), as the
+    start and key count. But a start of 0 can make the key count 1, a size-1 dimension that broadcasts,
+    which a graph traced at a later start guards against; such a call (a one-token prompt's first step)
+    is a kind of its own, compiled in the background rather than retraced in the caller's thread."""
+    return None if single is None else min(single[1], 1)
 
 
 def _fixed_batch(single, B: int, T: int) -> int:
@@ -506,9 +538,10 @@ class CompiledSteps:
             if locked:
                 _dynamo_settings()       # a first call in this thread may trace (foreground) or retrace
                 set_row_products(fixed_rows and self._cpu)
-            out = self._run_entry(key, args)
+            lifted = _shift(key[0], args, _LIFT)
+            out = self._run_entry(key, lifted)
             if out is None and locked:
-                out = fn(self.model, *args)
+                out = fn(self.model, *lifted)
                 # the graphs dynamo now holds (a first call, or a recompile: its guards had failed); not read
                 # again where this torch gave none usable or they could not be checked
                 known = self._entries.get(key)
@@ -535,7 +568,7 @@ class CompiledSteps:
     def _run_entry(self, key: tuple, args: tuple):
         """The result of the first of the kind's graphs whose guards pass for these arguments (the one
         dynamo would run), or None: then the call goes through dynamo, which recompiles where none passes.
-        The frame the guards see is the step function's: `model` and the tuple `args`."""
+        The frame the guards see is the step function's: `model` and the tuple `args` (lifted, `_LIFT`)."""
         entries = self._entries.get(key)
         if entries and self._direct:
             frame = {"model": self.model, "args": args}
@@ -662,12 +695,9 @@ class CompiledSteps:
         with torch.inference_mode(real.buffers()[0].is_inference()):
             scratch = ModelCache(m.cfg, real.n_slots, _SCRATCH_START + T + 16, device=real.device,
                                  kv_dtype=real.kv_dtype, mtp=real.has_mtp)
-        if single is not None:
-            slots = [single[0]]
-            start = single[1] if single[1] < 2 else _SCRATCH_START
-        else:
-            slots = list(range(B))
-            start = _SCRATCH_START
+        # the graph serves every slot (`_LIFT`) and every start of its class (`_one`)
+        slots = [single[0]] if single is not None else list(range(B))
+        start = 0 if single is not None and single[1] == 0 else _SCRATCH_START
         lengths = [start] * real.n_slots
         k = args[10] if kind == "round" else args[7] if kind == "chain" else 1
         rows = T + k - 1                          # a chain's positions cover all its steps
@@ -691,7 +721,7 @@ class CompiledSteps:
         with self._lock:
             set_row_products(fixed_rows and self._cpu)
             fn = self._fn(key)
-            fn(m, *call)
+            fn(m, *_shift(kind, call, _LIFT))
             # its graph, for calls while the worker compiles the next kinds (`_call`)
             if self._direct:
                 self._entries[key] = _guarded_entries(fn)

@@ -250,17 +250,18 @@ def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
     fast.forward(tok, cache, logits="none")
     snap = [b.clone() for b in cache.buffers()]
     args = _main_args(fast, cache, tok[:, -1:], 0)
+    lifted = steps_mod._shift("main", args, steps_mod._LIFT)     # as the graph sees them
 
     def once(via_dynamo: bool):
         for b, v in zip(cache.buffers(), snap, strict=True):
             b.copy_(v)
-        return steps._fns[key](fast, *args) if via_dynamo else steps.main(*args)
+        return steps._fns[key](fast, *lifted) if via_dynamo else steps.main(*args)
 
     once(False)                      # the kind's first call (through dynamo)
     key = next(k for k in steps._entries if k[0] == "main" and k[3] == "last")
     # the row-products flag, read while tracing, is part of the kind: its graphs have no guard on it (another
     # thread may set it while it traces), while a flag of plain data otherwise stays guarded (see below)
-    guards, frame, flag = steps._entries[key][0][0], {"model": fast, "args": args}, layers._row_products
+    guards, frame, flag = steps._entries[key][0][0], {"model": fast, "args": lifted}, layers._row_products
     assert guards.check(frame)
     layers.set_row_products(not flag)
     try:
@@ -350,43 +351,106 @@ def test_a_ready_kind_runs_compiled_while_the_worker_compiles_another():
         steps.close()
 
 
-def test_each_slot_class_is_a_kind_of_its_own_compiled_in_the_background():
-    """Dynamo specialises the ints 0 and 1, so a graph traced for slot 0 does not serve slot 1 (nor a start
-    of 0 or 1 one traced at a later position): such a call must not find the other's kind ready and retrace
-    in the decoding thread (~1 s on the demo model), but run eager while the worker compiles its own kind.
-    The warm-up call mirrors the caller's tensors (inference tensors or not: the guards check that).
-    A recording function stands in for the compiled graph (no inductor here)."""
+def _dynamo_only(monkeypatch) -> None:
+    """The steps' `torch.compile` with dynamo's own guards and specialisations but no inductor: its graphs
+    run as traced (seconds, not a C++ build)."""
+    real_compile = torch.compile
+
+    def eager_backend(fn, dynamic, options=None):
+        keep = {k: v for k, v in (options or {}).items() if k == "guard_filter_fn"}
+        return real_compile(fn, dynamic=dynamic, backend="eager", options=keep or None)
+
+    monkeypatch.setattr(torch, "compile", eager_backend)
+
+
+def test_one_graph_serves_every_slot(monkeypatch):
+    """Dynamo specialises the ints 0 and 1 (and an int index into a tensor): a graph traced at slot 2 served
+    no call for slot 0 or 1, nor one for slot 3 (retraced in the decoding thread), so each kind compiled
+    once per slot and a 4-slot server met twice the kinds. The slot, start and key count reach the graph
+    lifted (`_LIFT`): one background compile serves slots 0..3, with no retrace, and gives the eager step's
+    logits. A start of 0 (key count 1) is a kind of its own, compiled in the background too. The warm-up
+    call mirrors the caller's tensors (inference tensors or not: the guards check that). Dynamo traces
+    for real (its guards are the point); its graph runs without inductor."""
+    _dynamo_only(monkeypatch)
     path, _ = MODELS["dense"]
     model = load_model(fixture_path(path))
     model.compile_steps("compiled", background=True)
     steps = model._steps
-    seen = []
-
-    def fake(key):
-        def run(m, *args):
-            seen.append((key, args[0].is_inference()))
-            return getattr(m, "_" + key[0])(*args)
-        return run
-
-    steps._fn = fake
-    cache = ModelCache(model.cfg, 3, 64)
+    cache, twin = ModelCache(model.cfg, 5, 64), ModelCache(model.cfg, 5, 64)     # compiled / eager steps
     with torch.inference_mode(False):              # (the tests run in inference mode)
         tok = torch.tensor([[5]])                  # a caller's tensor that is not an inference tensor
-    model.forward(torch.tensor([[1, 2, 3]] * 3), cache, logits="none")
+    for c in (cache, twin):
+        model.forward(torch.tensor([[1, 2, 3]] * 4), c, logits="none")     # slot 4 stays at start 0
+
+    def step(slot):
+        got = steps.main(*_main_args(model, cache, tok, slot))
+        if got is not None:
+            want = model._main(*_main_args(model, twin, tok, slot))
+            torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-5)
+        else:                                      # as the caller runs it
+            for c in (cache, twin):
+                model._main(*_main_args(model, c, tok, slot))
+        for c in (cache, twin):
+            c.lengths[slot] += 1
+        return got is not None
+
     try:
-        for slot in (0, 1, 2):
-            assert steps.main(*_main_args(model, cache, tok, slot)) is None      # queued, eager meanwhile
-            assert steps.drain(timeout=60)
-            before = len(seen)
-            assert steps.main(*_main_args(model, cache, tok, slot)) is not None  # its own kind, ready
-            assert len(seen) == before + 1
-        keys = {k for k, _ in seen}
-        assert {k[1] for k in keys} == {(0, 2), (1, 2), (2, 2)}, keys
-        assert all(inf is False for _, inf in seen), seen   # warm-ups made tokens like the caller's
-        assert steps_mod._one((7, 40)) == (2, 2) and steps_mod._one((0, 1)) == (0, 1)
-        assert steps_mod._one(None) is None
+        assert not step(2)                         # queued, eager meanwhile
+        assert steps.drain(timeout=120)
+        assert [step(s) for s in (0, 1, 2, 3)] == [True] * 4
+        assert not step(4)                         # start 0: its own kind
+        assert steps.drain(timeout=120)
+        cache.lengths[4] = twin.lengths[4] = 0
+        assert step(4) and step(4)                 # starts 0 and 1 (the kind of every later start)
+        assert sorted(k[1] for k in steps._ready) == [0, 1]
+        # no retrace for any slot: one graph per kind, every compiled call run directly past its guards
+        assert all(len(steps._entries[k]) == 1 for k in steps._ready), steps._entries
+        assert steps.n_direct_calls == 6 and steps.n_foreground_compiles == 0
+        args = _main_args(model, cache, tok, 3)
+        assert steps_mod._shift("main", args, steps_mod._LIFT)[4:6] == (args[4] + 2, (3 + 2, args[5][1] + 2))
     finally:
         steps.close()
+
+
+def test_one_graph_serves_every_batch_size_of_a_kind(monkeypatch):
+    """A kind of several sequences whose rows are too many for per-row products (B x T > ROW_PRODUCTS_MAX)
+    has a dynamic batch size. With duck shaping a batch of 4 verifying 4 rows (T static) made B the
+    constant 4, and a batch of 3 retraced in the decoding thread (a 4-slot server did so for 11 kinds of
+    call in its first 200 s). One graph serves B = 4 and 3, with the eager path's logits, in a thread other
+    than the one that made the steps (dynamo's settings are per thread)."""
+    import threading
+
+    _dynamo_only(monkeypatch)
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    model.compile_steps("compiled", background=False)
+    cache, twin = ModelCache(model.cfg, 4, 64), ModelCache(model.cfg, 4, 64)
+    rows = torch.tensor([[7, 8, 9, 10]])
+    errors = []
+
+    def run():
+        try:
+            with torch.inference_mode():
+                for c in (cache, twin):
+                    model.forward(torch.tensor([[1, 2, 3, 4, 5]] * 4), c, logits="none")
+                for B in (4, 3, 4, 3):
+                    got = model.forward(rows.expand(B, 4), cache, list(range(B)), logits="all", gdn_steps=True)
+                    slots, slot_idx, positions, n_keys, _ = model._slots(twin, list(range(B)), B, 4, twin.lengths)
+                    want = model._main(rows.expand(B, 4), twin, slot_idx, positions, n_keys, None, "all", 64, True)
+                    for s in slots:
+                        twin.lengths[s] += 4
+                    torch.testing.assert_close(got.logits, want[2], rtol=1e-5, atol=1e-5)
+        except BaseException as exc:   # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+    steps = model._steps
+    (key,) = [k for k in steps._ready if k[0] == "main" and k[2] == 4]
+    assert key[1] is None and key[-1] == 0 and len(steps._entries[key]) == 1, steps._entries
+    assert steps.n_compiled_calls == 4 and steps.n_foreground_compiles == 1
 
 
 def test_guard_filter_keeps_guards_on_data_and_drops_those_on_code():
