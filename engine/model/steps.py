@@ -17,6 +17,7 @@ same math.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib.util
 import itertools
@@ -54,24 +55,31 @@ def _dynamo_settings() -> None:
     - the model's float attributes (norm eps, rope theta) are constants: traced as such, not as graph
       inputs converted to float64 tensors on every call (15 per decode step of the demo model; with the
       setting made only where the model was loaded, the background worker traced them as inputs)
-    - a higher recompile limit per code object (one per kind of call; shape specialisations recompile)
-    - no duck shaping: with it a dynamic size equal to a static one when traced became that constant. A
-      batch of 4 sequences verifying 4 rows each (T is static) gave a graph for B = 4 only, and a batch of 3
-      then retraced it in the decoding thread, every other thread's request waiting (a 4-slot server did so
-      for 11 kinds of call in its first 200 s, thirty-eighth session). Each dynamic size is its own symbol."""
+    - a higher recompile limit per code object (one per kind of call; shape specialisations recompile)"""
     if _SETTINGS_SET.get():
         return
     cfg = torch._dynamo.config
     if getattr(cfg, "recompile_limit", _RECOMPILE_LIMIT) < _RECOMPILE_LIMIT:
         cfg.recompile_limit = _RECOMPILE_LIMIT
     cfg.specialize_float = True
-    try:
-        from torch.fx.experimental import _config as fx_config
-    except ImportError:      # another torch: duck shaping stays on, a batch size may then retrace
-        fx_config = None
-    if hasattr(fx_config, "use_duck_shape"):
-        fx_config.use_duck_shape = False
     _SETTINGS_SET.set(True)
+
+
+def _tracing(key: tuple):
+    """The settings a call of kind `key` traces under. A kind of several sequences with a dynamic batch size
+    (`_fixed_batch` 0) traces without duck shaping: with it the batch size, equal to a static size when
+    traced, became that constant. 4 sequences verifying 4 rows each (T is static) gave a graph for B = 4
+    only, and a batch of 3 then retraced it in the decoding thread, every other request waiting. The other
+    kinds keep it: without it the demo model's rounds (one sequence, k = 3) ran 1.4-5.2 % slower (paired,
+    both orders; thirty-eighth session)."""
+    if key[1] is None and key[-1] == 0:
+        try:
+            from torch.fx.experimental import _config as fx_config
+        except ImportError:   # another torch: its default (a batch size may then retrace)
+            return contextlib.nullcontext()
+        if hasattr(fx_config, "use_duck_shape"):
+            return fx_config.patch(use_duck_shape=False)
+    return contextlib.nullcontext()
 
 
 # While a worker compiles, the interpreter hands the GIL to a waiting thread after this long instead of
@@ -216,23 +224,26 @@ def _drop_trace_leftovers() -> None:
             v.cache_clear()
 
 
-# Dynamo specialises the ints 0 and 1: a graph traced at slot 2 served no call for slot 0 or 1, so one
-# sequence's every kind of call compiled once per slot class, and a 4-slot server met ~50 kinds where ~25 do
-# (thirty-eighth session). The step functions' int arguments that carry a slot, a start or a key count reach
-# a graph lifted by _LIFT, never 0 or 1, and the step lowers them again inside the graph (a subtraction on a
-# symbol): one graph serves every slot (a start of 0 stays a kind of its own: `_one`).
+# Dynamo specialises the ints 0 and 1: a graph traced at slot 2 served no call for slot 0 or 1 (and one more
+# specialisation, since mended, gave every slot a graph of its own), so a 4-slot server compiled each kind of
+# call for one sequence up to four times (thirty-eighth session). The step functions' int arguments that
+# carry a start or a key count reach a graph lifted by _LIFT, never 0 or 1, and the step lowers them again
+# inside the graph (a subtraction on a symbol); so does a slot other than 0, so one graph serves slots 1 and
+# up. Slot 0, a one-user app's, stays a constant of its graph: with the slot a symbol the demo model's rounds
+# (k = 3) ran ~3 % slower (0.951 / 0.988, paired, both orders), its plain steps as fast (0.986 / 1.016).
 _LIFT = 2
 # per kind, the positions in the step's arguments of `n_keys` and of `single` (slot, start) or None
 _SLOT_INTS = {"main": (4, 5), "mtp": (5, 6), "chain": (5, 6), "round": (5, 6, 8, 9)}
 
 
 def _shift(kind: str, args: tuple, by: int) -> tuple:
-    """args with their slot, start and key-count ints moved by `by` (+_LIFT before a compiled call, -_LIFT
-    in the step function)."""
+    """args with their start and key-count ints, and a slot other than 0, moved by `by` (+_LIFT before a
+    compiled call, -_LIFT in the step function)."""
     out = list(args)
     for i in _SLOT_INTS[kind]:
         v = out[i]
-        out[i] = v + by if isinstance(v, int) else None if v is None else (v[0] + by, v[1] + by)
+        # (traced, a key count is a SymInt, not an int: the tuple is the test)
+        out[i] = None if v is None else (v[0] + by if v[0] else 0, v[1] + by) if isinstance(v, tuple) else v + by
     return tuple(out)
 
 
@@ -272,13 +283,14 @@ def _weights_static(model) -> None:
                 torch._dynamo.mark_static(t)
 
 
-def _one(single) -> int | None:
-    """A single-sequence call's start class as its kind keeps it (0, or 1 for every later start); None
-    for several sequences. The slot is not part of the kind: the graph sees it lifted (`_LIFT`), as the
-    start and key count. But a start of 0 can make the key count 1, a size-1 dimension that broadcasts,
-    which a graph traced at a later start guards against; such a call (a one-token prompt's first step)
-    is a kind of its own, compiled in the background rather than retraced in the caller's thread."""
-    return None if single is None else min(single[1], 1)
+def _one(single) -> tuple[bool, int] | None:
+    """A single-sequence call's slot and start classes as its kind keeps them, None for several sequences:
+    whether the slot is 0 (a constant of its graph) or another (one graph serves them all: `_LIFT`), and
+    whether the start is 0 or later. A start of 0 can make the key count 1, a size-1 dimension that
+    broadcasts, which a graph traced at a later start guards against; such a call (a one-token prompt's
+    first step) is a kind of its own, compiled in the background rather than retraced in the caller's
+    thread."""
+    return None if single is None else (single[0] == 0, min(single[1], 1))
 
 
 def _fixed_batch(single, B: int, T: int) -> int:
@@ -321,12 +333,19 @@ def _guard_filter(entries) -> list[bool]:
 def _mark_batch(key: tuple, args: tuple) -> None:
     """For a kind compiled for one batch size (every key ends with it: B > 0, else 0), make the leading
     dim of its per-sequence tensors static when tracing (dynamic=True would make B a symbol, and per-row
-    products need it fixed); later calls pass the graph's size guards as they are."""
+    products need it fixed), and for a kind of any batch size dynamic; later calls pass the graph's size
+    guards as they are."""
     B = key[-1]
-    if B > 0:
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == B:
-                torch._dynamo.mark_static(a, 0)
+    for a in args:
+        if not isinstance(a, torch.Tensor) or a.dim() == 0:
+            continue
+        if B > 0 and a.shape[0] == B:
+            torch._dynamo.mark_static(a, 0)
+        elif B == 0 and 0 in getattr(a, "_dynamo_static_indices", ()):
+            # a mark left by a kind of fixed batch size on a tensor calls share (the slots' index tensor, one
+            # per slot list): traced with it, a dynamic-batch kind's graph was made for that B only, and a
+            # call of another B retraced it in the decoding thread (thirty-eighth session)
+            a._dynamo_static_indices = a._dynamo_static_indices - {0}
 
 
 def _guarded_entries(fn) -> list[tuple[object, types.FunctionType]]:
@@ -541,7 +560,8 @@ class CompiledSteps:
             lifted = _shift(key[0], args, _LIFT)
             out = self._run_entry(key, lifted)
             if out is None and locked:
-                out = fn(self.model, *lifted)
+                with _tracing(key):
+                    out = fn(self.model, *lifted)
                 # the graphs dynamo now holds (a first call, or a recompile: its guards had failed); not read
                 # again where this torch gave none usable or they could not be checked
                 known = self._entries.get(key)
@@ -695,13 +715,16 @@ class CompiledSteps:
         with torch.inference_mode(real.buffers()[0].is_inference()):
             scratch = ModelCache(m.cfg, real.n_slots, _SCRATCH_START + T + 16, device=real.device,
                                  kv_dtype=real.kv_dtype, mtp=real.has_mtp)
-        # the graph serves every slot (`_LIFT`) and every start of its class (`_one`)
+        # the graph serves every slot and start of its classes (`_one`)
         slots = [single[0]] if single is not None else list(range(B))
         start = 0 if single is not None and single[1] == 0 else _SCRATCH_START
         lengths = [start] * real.n_slots
         k = args[10] if kind == "round" else args[7] if kind == "chain" else 1
         rows = T + k - 1                          # a chain's positions cover all its steps
         slots, slot_idx, positions, n_keys, single_s = m._slots(scratch, slots, B, rows, lengths)
+        # a copy: the model's index tensor for these slots is the callers' too, and `_mark_batch` in the
+        # decoding thread may mark it meanwhile
+        slot_idx = slot_idx.clone()
         # the caller's tokens and hidden rows may be inference tensors or not: the guards check the dispatch keys
         with torch.inference_mode(args[0].is_inference()):
             tokens = torch.zeros(shape, dtype=torch.long, device=m.device)
@@ -721,7 +744,8 @@ class CompiledSteps:
         with self._lock:
             set_row_products(fixed_rows and self._cpu)
             fn = self._fn(key)
-            fn(m, *_shift(kind, call, _LIFT))
+            with _tracing(key):
+                fn(m, *_shift(kind, call, _LIFT))
             # its graph, for calls while the worker compiles the next kinds (`_call`)
             if self._direct:
                 self._entries[key] = _guarded_entries(fn)

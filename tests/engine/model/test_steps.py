@@ -366,9 +366,10 @@ def _dynamo_only(monkeypatch) -> None:
 def test_one_graph_serves_every_slot(monkeypatch):
     """Dynamo specialises the ints 0 and 1 (and an int index into a tensor): a graph traced at slot 2 served
     no call for slot 0 or 1, nor one for slot 3 (retraced in the decoding thread), so each kind compiled
-    once per slot and a 4-slot server met twice the kinds. The slot, start and key count reach the graph
-    lifted (`_LIFT`): one background compile serves slots 0..3, with no retrace, and gives the eager step's
-    logits. A start of 0 (key count 1) is a kind of its own, compiled in the background too. The warm-up
+    once per slot. A slot other than 0, the start and the key count reach the graph lifted (`_LIFT`): one
+    background compile serves slots 1..3, with no retrace, and gives the eager step's logits; slot 0 (a
+    constant of its graph, faster) and a start of 0 (key count 1) are kinds of their own, compiled in the
+    background too. The warm-up
     call mirrors the caller's tensors (inference tensors or not: the guards check that). Dynamo traces
     for real (its guards are the point); its graph runs without inductor."""
     _dynamo_only(monkeypatch)
@@ -397,17 +398,23 @@ def test_one_graph_serves_every_slot(monkeypatch):
     try:
         assert not step(2)                         # queued, eager meanwhile
         assert steps.drain(timeout=120)
-        assert [step(s) for s in (0, 1, 2, 3)] == [True] * 4
+        assert [step(s) for s in (1, 2, 3)] == [True] * 3
+        assert not step(0)                         # slot 0: a constant of its kind's graph
+        assert steps.drain(timeout=120)
+        assert step(0)
         assert not step(4)                         # start 0: its own kind
         assert steps.drain(timeout=120)
         cache.lengths[4] = twin.lengths[4] = 0
         assert step(4) and step(4)                 # starts 0 and 1 (the kind of every later start)
-        assert sorted(k[1] for k in steps._ready) == [0, 1]
+        assert sorted(k[1] for k in steps._ready) == [(False, 0), (False, 1), (True, 1)]
         # no retrace for any slot: one graph per kind, every compiled call run directly past its guards
         assert all(len(steps._entries[k]) == 1 for k in steps._ready), steps._entries
         assert steps.n_direct_calls == 6 and steps.n_foreground_compiles == 0
-        args = _main_args(model, cache, tok, 3)
-        assert steps_mod._shift("main", args, steps_mod._LIFT)[4:6] == (args[4] + 2, (3 + 2, args[5][1] + 2))
+        for slot in (0, 3):
+            args = _main_args(model, cache, tok, slot)
+            lifted = steps_mod._shift("main", args, steps_mod._LIFT)
+            assert lifted[4:6] == (args[4] + 2, (slot and slot + 2, args[5][1] + 2))
+            assert steps_mod._shift("main", lifted, -steps_mod._LIFT) == args
     finally:
         steps.close()
 
@@ -415,9 +422,10 @@ def test_one_graph_serves_every_slot(monkeypatch):
 def test_one_graph_serves_every_batch_size_of_a_kind(monkeypatch):
     """A kind of several sequences whose rows are too many for per-row products (B x T > ROW_PRODUCTS_MAX)
     has a dynamic batch size. With duck shaping a batch of 4 verifying 4 rows (T static) made B the
-    constant 4, and a batch of 3 retraced in the decoding thread (a 4-slot server did so for 11 kinds of
-    call in its first 200 s). One graph serves B = 4 and 3, with the eager path's logits, in a thread other
-    than the one that made the steps (dynamo's settings are per thread)."""
+    constant 4, and a batch of 3 retraced in the decoding thread; so did a static mark left on the slots'
+    index tensor (shared by every call for those slots) by a kind of fixed batch size. One graph serves
+    B = 4 and 3, with the eager path's logits, in a thread other than the one that made the steps
+    (dynamo's settings are per thread)."""
     import threading
 
     _dynamo_only(monkeypatch)
@@ -432,6 +440,10 @@ def test_one_graph_serves_every_batch_size_of_a_kind(monkeypatch):
             with torch.inference_mode():
                 for c in (cache, twin):
                     model.forward(torch.tensor([[1, 2, 3, 4, 5]] * 4), c, logits="none")
+                    # plain steps of 3 and 4 sequences first: kinds of a fixed batch size, which mark their
+                    # tensors' batch dim static, the slots' index tensor among them (one per slot list)
+                    for B in (3, 4):
+                        model.forward(rows[:, :1].expand(B, 1), c, list(range(B)), logits="last")
                 for B in (4, 3, 4, 3):
                     got = model.forward(rows.expand(B, 4), cache, list(range(B)), logits="all", gdn_steps=True)
                     slots, slot_idx, positions, n_keys, _ = model._slots(twin, list(range(B)), B, 4, twin.lengths)
@@ -450,7 +462,7 @@ def test_one_graph_serves_every_batch_size_of_a_kind(monkeypatch):
     steps = model._steps
     (key,) = [k for k in steps._ready if k[0] == "main" and k[2] == 4]
     assert key[1] is None and key[-1] == 0 and len(steps._entries[key]) == 1, steps._entries
-    assert steps.n_compiled_calls == 4 and steps.n_foreground_compiles == 1
+    assert steps.n_foreground_compiles == 3 and steps.n_compiled_calls == 8   # both caches' plain steps
 
 
 def test_guard_filter_keeps_guards_on_data_and_drops_those_on_code():
