@@ -544,7 +544,6 @@ class CompiledSteps:
             self.n_eager_calls += 1
             return None
         fn = self._fn(key)
-        _mark_batch(key, args)
         # Without the lock (the worker holds it while it compiles another kind) a ready kind's graph still runs
         # directly, which needs neither dynamo's frame hook nor the lock, where its guards pass; else the call
         # runs eager. The row-products flag is then the worker's, for its trace (see `_ROW_PRODUCTS_GUARD`).
@@ -559,7 +558,8 @@ class CompiledSteps:
                 set_row_products(fixed_rows and self._cpu)
             lifted = _shift(key[0], args, _LIFT)
             out = self._run_entry(key, lifted)
-            if out is None and locked:
+            if out is None and locked:   # through dynamo, which may trace: the marks count only then
+                _mark_batch(key, args)
                 with _tracing(key):
                     out = fn(self.model, *lifted)
                 # the graphs dynamo now holds (a first call, or a recompile: its guards had failed); not read
