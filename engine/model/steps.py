@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 import importlib.util
 import itertools
 import logging
@@ -187,41 +188,124 @@ def _fresh(fn, name: str):
 # what a compiled function keeps "for convenience" (torch's aot_module_simplified): bound methods of dynamo's
 # traced GraphModule, whose nodes keep their example FakeTensors and stack traces
 _TRACE_CONVENIENCES = ("zero_grad", "named_parameters", "named_buffers")
+# the texts a compiled graph keeps for its cache entry and for debugging (inductor's CompiledFxGraph, and
+# each wrapper's copy of its attributes by functools.wraps): the generated code (with cpp_wrapper the whole C++
+# source, 0.2-0.9 MB a kind) and two printed graphs. Written to the FX graph cache when the kind compiled;
+# a loaded graph runs its callable and never reads them again
+_GRAPH_TEXTS = ("source_code", "runnable_graph_str", "inductor_post_grad_graph_str",
+                "inductor_provenance_mapping_str", "inductor_provenance_stack_traces_str")
+# the C++ source a loaded graph's Python module holds as globals, read once to build or load its library
+_MODULE_SOURCES = ("cpp_wrapper_src", "kernel_src")
 
 
-_WALKED: set[int] = set()     # ids of the compiled functions (kept for good by this module) already walked
+def _compile_wrapper(v) -> bool:
+    """Whether a closure cell's value is part of a compiled function's chain of wrappers (a function, or an
+    object of torch's compile stack such as a CompiledFxGraph), not data of the traced program."""
+    if isinstance(v, types.FunctionType):
+        return True
+    mod = type(v).__module__ or ""
+    return mod.startswith(("torch._inductor", "torch._functorch", "torch._dynamo")) and hasattr(v, "__dict__")
 
 
 def _drop_trace_leftovers() -> None:
     """Release what torch keeps of a finished compile that no compiled call reads, after each kind compiles.
 
     Each kind compiled kept 8.6 MiB (the f32 fixture, one process), and a 4-slot server meets ~50 kinds over
-    its first minutes (docs/benchmarks.md, thirty-seventh session). Two holders of dead trace state:
+    its first minutes (docs/benchmarks.md, thirty-seventh and thirty-ninth sessions). Holders of dead state:
     - dynamo installs each compiled function as a global of the traced function's module (this one); the
       function carries bound methods of the traced GraphModule (`_TRACE_CONVENIENCES`), so every graph's
       nodes, their FakeTensors and stack traces stayed alive;
-    - ShapeEnv's methods are memoized by class-level caches keyed by the instance, so every compile's
-      ShapeEnv (its guards, sympy expressions, fake-tensor dispatch cache) stayed alive.
-    The compiled code, its guards and its kernels are untouched; the caches only memoize. Left: ~6 MiB a
-    kind, the ShapeEnvs still held from C++ (symbolic sizes of the guards' FakeTensors) among it."""
-    stack = [f for name, f in list(globals().items()) if name.startswith("__compiled_fn") and id(f) not in _WALKED]
+    - ShapeEnv's methods are memoized by class-level caches keyed by the instance;
+    - each ShapeEnv's `tracked_fakes` (the traced inputs' FakeTensors, read when the guards were made) and
+      its fake-tensor dispatch cache: the FakeTensors' symbolic sizes are held from C++, so every ShapeEnv
+      (its sympy expressions, its dispatch cache) stayed alive through them;
+    - the generated code and printed graphs (`_GRAPH_TEXTS`, `_MODULE_SOURCES`, the FX cache key's debug
+      lines): ~1.5 MiB a kind;
+    - torch's "mega-cache" (`torch.compiler.save_cache_artifacts`, which mtpchat does not call) keeps the
+      pickled bytes of every FX-graph and AOTAutograd cache entry the process wrote or read: ~1.9 MiB a kind;
+      and each compiled function its AOTAutograd entry's bytes again, for serializing it (`_unserializable`):
+      ~0.4 MiB a kind.
+    The compiled code, its guards and its kernels are untouched; the rest only memoizes or was read while
+    compiling. Under dynamo's compile lock, so no trace in any thread is using what is dropped."""
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+    except ImportError:
+        compile_lock = contextlib.nullcontext()
+    with compile_lock:
+        _drop_wrapper_state()
+        _drop_shape_envs()
+        try:
+            from torch.compiler._cache import CacheArtifactManager
+        except ImportError:
+            return
+        if callable(getattr(CacheArtifactManager, "clear", None)):
+            CacheArtifactManager.clear()
+
+
+def _drop_wrapper_state() -> None:
+    # every compiled function, each time: what a walk drops is gone, and ids kept from an earlier walk could
+    # name new objects once those they named died
+    stack = [f for name, f in list(globals().items()) if name.startswith("__compiled_fn")]
+    seen: set[int] = set()
     while stack:
         f = stack.pop()
         attrs = getattr(f, "__dict__", None)
-        if attrs is None or id(f) in _WALKED:
+        if attrs is None or id(f) in seen:
             continue
-        _WALKED.add(id(f))
+        seen.add(id(f))
         for name in _TRACE_CONVENIENCES:
             attrs.pop(name, None)
+        for name in _GRAPH_TEXTS:
+            if isinstance(attrs.get(name), str):
+                if isinstance(f, types.FunctionType):
+                    del attrs[name]       # a functools.wraps copy
+                else:
+                    attrs[name] = ""      # a field of the graph's dataclass
+        if isinstance(attrs.get("_fx_graph_cache_debug_lines"), list):   # the cache key's printed inputs
+            attrs["_fx_graph_cache_debug_lines"] = []
+        for name in ("serialize_fn", "serialize"):   # a SerializableCompiledFunction's, and copies of it
+            if isinstance(attrs.get(name), types.FunctionType):
+                attrs[name] = _unserializable
         stack.extend(v for v in (attrs.get("__wrapped__"), attrs.get("_torchdynamo_orig_callable"),
                                  attrs.get("compiled_fn")) if v is not None)
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:            # an empty cell
+                continue
+            if _compile_wrapper(v):
+                stack.append(v)
     try:
+        from torch._inductor.codecache import PyCodeCache
+    except ImportError:
+        return
+    for mod in list(getattr(PyCodeCache, "modules", ())):
+        for name in _MODULE_SOURCES:
+            mod.__dict__.pop(name, None)
+
+
+def _unserializable():
+    raise RuntimeError("mtpchat's compiled steps dropped this graph's serialized form after compiling it "
+                       "(engine.model.steps._drop_trace_leftovers)")
+
+
+def _drop_shape_envs() -> None:
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
     except ImportError:
         return
     for v in vars(ShapeEnv).values():
         if callable(getattr(v, "cache_clear", None)):
             v.cache_clear()
+    for o in gc.get_objects():
+        if type(o) is ShapeEnv:
+            if isinstance(getattr(o, "tracked_fakes", None), list):
+                o.tracked_fakes.clear()
+            if isinstance(getattr(o, "fake_tensor_cache", None), dict):
+                o.fake_tensor_cache.clear()
+    if callable(getattr(FakeTensorMode, "cache_clear", None)):
+        FakeTensorMode.cache_clear()
 
 
 # Dynamo specialises the ints 0 and 1: a graph traced at slot 2 served no call for slot 0 or 1 (and one more

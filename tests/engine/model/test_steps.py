@@ -871,19 +871,30 @@ def test_a_compiled_step_in_a_decoding_thread_is_not_slowed_by_other_threads_ope
 @pytest.mark.parametrize("background", [False, True])
 def test_compiled_kinds_leave_no_trace_state_alive(background):
     """A server meets dozens of kinds of call; each compile used to leave its traced graph (nodes, example
-    FakeTensors, stack traces) alive through the compiled function, and its ShapeEnv through ShapeEnv's
-    class-level method caches (8.6 MiB a kind). After each kind compiles, neither stays reachable, and the
-    compiled kinds still give plain decoding's tokens."""
+    FakeTensors, stack traces) alive through the compiled function, its ShapeEnv through ShapeEnv's
+    class-level method caches and through the FakeTensors of its `tracked_fakes` (sizes held from C++), and
+    its generated C++ source and printed graphs (8.6 MiB a kind, then 7.4). After each kind compiles none of
+    them stays reachable, and the compiled kinds still give plain decoding's tokens."""
     import gc
 
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    def traced_graphs() -> dict:
+    def alive() -> dict:
         gc.collect()
-        return {id(o): o for o in gc.get_objects() if isinstance(o, torch.fx.GraphModule)
-                and any("example_value" in n.meta for n in o.graph.nodes)}
+        return {id(o): o for o in gc.get_objects() if type(o) is ShapeEnv or (isinstance(o, torch.fx.GraphModule)
+                and any("example_value" in n.meta for n in o.graph.nodes))}
 
-    before = traced_graphs()      # other compiles in this process (other tests' kernels) are not the steps'
+    def texts() -> dict:
+        """The generated code that compiled graphs, their wrappers or their modules hold (inductor's names)."""
+        found = {}
+        for o in gc.get_objects():
+            d = o if isinstance(o, dict) else getattr(o, "__dict__", None)
+            if isinstance(d, dict):
+                found.update((id(d[k]), k) for k in steps_mod._GRAPH_TEXTS + steps_mod._MODULE_SOURCES
+                             if isinstance(d.get(k), str) and len(d[k]) > 1000)
+        return found
+
+    before, before_texts = alive(), texts()      # other compiles in this process (other tests' kernels) are not the steps'
     ref = get_ref(MODELS["dense"][1])
     model = load_model(fixture_path(MODELS["dense"][0]))
     model.compile_steps("compiled", background=background)
@@ -894,6 +905,8 @@ def test_compiled_kinds_leave_no_trace_state_alive(background):
         if background:
             assert model._steps.drain(600)
     assert got == want and model._steps.kinds_ready >= 3 and model._steps.n_compiled_calls > 0
-    assert [g for i, g in traced_graphs().items() if i not in before] == []
+    left = [type(o).__name__ for i, o in alive().items() if i not in before]
+    assert left == []
+    assert [k for i, k in texts().items() if i not in before_texts] == []
     cached = {name: v.cache_info().currsize for name, v in vars(ShapeEnv).items() if hasattr(v, "cache_info")}
     assert cached and not any(cached.values()), cached
