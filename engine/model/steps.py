@@ -593,9 +593,12 @@ class CompiledSteps:
 
         # the lengths step 1 usually has (the last round's accepted drafts + the pending token) compile
         # together (for one sequence one length, padded: `step1_rows`); a longer one (a plain-step backlog)
-        # is queued when it first comes
+        # is queued when it first comes. Several sequences take queued entries along only in `SpecDecoder`
+        # (the server writes them before a round of several, whose step 1 is then the pending token alone):
+        # their other lengths are queued once a longer step 1 comes, so a server compiles no kind it never
+        # runs (4 kinds of round for 2 sequences at k = 3 where it runs one)
         def siblings() -> list:
-            ts = [self.step1_rows(k)] if B == 1 else range(1, k + 2)
+            ts = [self.step1_rows(k)] if B == 1 else range(1, k + 2) if T > 1 else ()
             return [(key(t), (B, t)) for t in ts if t > 0 and key(t) != key(T)] if fixed else []
 
         return self._call(key(T), (tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single,

@@ -675,6 +675,35 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in, kind):
     assert any("int8_dots" in c for c in calls) == (kind == "int8_dots"), sorted(calls)
 
 
+def test_a_round_of_several_sequences_queues_the_other_step1_lengths_only_once_one_comes(monkeypatch):
+    """The server writes several sequences' queued MTP entries before their round, so its rounds of several
+    sequences always have a one-row step 1; the other step-1 lengths (kinds of their own, as the rows take
+    per-row products) were queued along with the first round all the same: 4 kinds of round compiled for 2
+    sequences at k = 3 where the server runs one. They are now queued when a longer step 1 first comes
+    (`SpecDecoder` rides queued entries along). The worker is not started: this checks the queue only."""
+    model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
+    model.compile_steps("compiled", background=True)
+    monkeypatch.setattr(model._steps, "_start_worker", lambda: None)
+    k, B = 3, 2
+    cache = ModelCache(model.cfg, B, 96, mtp=True)
+
+    def rounds() -> set:
+        return {key[2] for key in model._steps._queued if key[0] == "round"}
+
+    with torch.inference_mode():
+        toks = torch.arange(1, 20).repeat(B, 1)
+        out = model.forward(toks, cache, [0, 1], logits="last")
+        model.mtp_forward(toks, out.hidden, cache, [0, 1], logits="none")
+        hid = out.hidden[:, -1:]
+        model.draft_and_verify(torch.full((B, 1), 5), hid, cache, [0, 1], k)
+        assert rounds() == {1}
+        model.draft_and_verify(torch.full((B, 2), 5), hid.expand(B, 2, -1).contiguous(), cache, [0, 1], k)
+    assert B * k <= steps_mod.ROW_PRODUCTS_MAX          # every length a kind of its own
+    assert rounds() == set(range(1, k + 2))
+    assert model._steps.n_compiled_calls == 0 and model._steps.kinds_ready == 0
+    model._steps.close()
+
+
 def test_every_step_one_length_of_a_round_runs_as_one_kind_the_worker_compiles(traced_in):
     """A fused round's step 1 takes T rows (the pending token and the queued MTP entries: 1..k+1 after a
     round). Each length traces as a graph of its own (its row counts are constants); padded to one length
