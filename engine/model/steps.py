@@ -240,6 +240,34 @@ def _drop_trace_leftovers() -> None:
             return
         if callable(getattr(CacheArtifactManager, "clear", None)):
             CacheArtifactManager.clear()
+    _trim_heap()
+
+
+def _malloc_trim():
+    """glibc's `malloc_trim`, or None (another C library, another system)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_TRIM = _malloc_trim()
+
+
+def _trim_heap() -> None:
+    """Give the pages a compile freed back to the system. glibc keeps freed memory in its arenas (the worker
+    thread's among them) for reuse, so a compile from scratch, whose lowering peaks at tens of MiB, left the
+    process that much larger: 14 kinds compiled from an empty inductor cache (f32 fixture) +216.5 MiB, with a
+    trim after each +191.7 (one run each; ~0.1 ms a trim; docs/benchmarks.md, thirty-ninth session). What is
+    still in use stays."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def _drop_wrapper_state() -> None:
