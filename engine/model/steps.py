@@ -226,7 +226,8 @@ def _drop_trace_leftovers() -> None:
       and each compiled function its AOTAutograd entry's bytes again, for serializing it (`_unserializable`):
       ~0.4 MiB a kind.
     The compiled code, its guards and its kernels are untouched; the rest only memoizes or was read while
-    compiling. Under dynamo's compile lock, so no trace in any thread is using what is dropped."""
+    compiling. Under dynamo's compile lock, so no dynamo trace in any thread is using what is dropped (every
+    ShapeEnv of the process is emptied: mtpchat traces through dynamo only)."""
     try:
         from torch._dynamo.convert_frame import compile_lock
     except ImportError:
@@ -283,12 +284,9 @@ def _drop_wrapper_state() -> None:
         seen.add(id(f))
         for name in _TRACE_CONVENIENCES:
             attrs.pop(name, None)
-        for name in _GRAPH_TEXTS:
+        for name in _GRAPH_TEXTS:         # a field of the graph's dataclass, or a functools.wraps copy of it
             if isinstance(attrs.get(name), str):
-                if isinstance(f, types.FunctionType):
-                    del attrs[name]       # a functools.wraps copy
-                else:
-                    attrs[name] = ""      # a field of the graph's dataclass
+                attrs[name] = ""
         if isinstance(attrs.get("_fx_graph_cache_debug_lines"), list):   # the cache key's printed inputs
             attrs["_fx_graph_cache_debug_lines"] = []
         for name in ("serialize_fn", "serialize"):   # a SerializableCompiledFunction's, and copies of it

@@ -675,6 +675,7 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in, kind):
     assert any("int8_dots" in c for c in calls) == (kind == "int8_dots"), sorted(calls)
 
 
+@needs_cxx
 def test_a_round_of_several_sequences_queues_the_other_step1_lengths_only_once_one_comes(monkeypatch):
     """The server writes several sequences' queued MTP entries before their round, so its rounds of several
     sequences always have a one-row step 1; the other step-1 lengths (kinds of their own, as the rows take
