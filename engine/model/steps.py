@@ -235,13 +235,17 @@ def _drop_trace_leftovers() -> None:
     with compile_lock:
         _drop_wrapper_state()
         _drop_shape_envs()
-        try:
-            from torch.compiler._cache import CacheArtifactManager
-        except ImportError:
-            return
-        if callable(getattr(CacheArtifactManager, "clear", None)):
-            CacheArtifactManager.clear()
+        _drop_cache_artifacts()
     _trim_heap()
+
+
+def _drop_cache_artifacts() -> None:
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError:
+        return
+    if callable(getattr(CacheArtifactManager, "clear", None)):
+        CacheArtifactManager.clear()
 
 
 def _malloc_trim():
