@@ -111,6 +111,7 @@ class Qwen35Model(nn.Module):
         self.wrong_drafts = False              # drafts returned as (argmax + 1) mod vocab (set_wrong_drafts)
         self._draft: dict[int, DraftTwin] = {}  # nextn block number -> its draft copy ('q8_0', 'int8')
         self._slot_idx: dict[tuple, torch.Tensor] = {}   # (slots, device, inference mode) -> index tensor
+        self.recipe: dict | None = None        # load_model's arguments (None: built otherwise)
 
     # -- helpers ---------------------------------------------------------------------------------
     @property
@@ -643,6 +644,10 @@ def load_model(f, device: torch.device | str = "cpu", dtype: torch.dtype = torch
         log.info("tensor %s not used by the engine", n)
     log.info("loaded %s: %s (%s, %s)", f.path, cfg.layer_pattern(), dtype, device)
     model.eval()
+    # how to load the same model again: a compile child (engine.model.compile_child) does, to compile kinds
+    # of call whose graphs then load from inductor's cache here
+    model.recipe = {"path": str(f.path), "device": str(device), "dtype": dtype, "packed": packed,
+                    "min_packed": min_packed}
     return model
 
 

@@ -25,9 +25,12 @@ import itertools
 import logging
 import os
 import queue
+import subprocess
 import sys
 import threading
+import time
 import types
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -503,6 +506,93 @@ def _fx_trace_once() -> None:
         log.info("inductor's first fx trace not found (%s): background compiles may race eager steps", exc)
 
 
+# -- a child process that compiles (engine.model.compile_child) ------------------------------------------
+_CHILD_ENV = "MTPCHAT_COMPILE_CHILD"   # 0: every kind compiles in the process that runs it
+_CHILD_MEMORY_SHARE = 0.25             # a child loads the model again: only where the file is this share of
+                                       # the memory available or less
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _child_off(model, background: bool) -> str | None:
+    """Why kinds cannot compile in a child process for this model, None where they can: background
+    compiles of a model on CPU loaded from a file (`Qwen35Model.recipe`) that fits in memory a second time."""
+    if os.environ.get(_CHILD_ENV, "1").strip() == "0":
+        return f"{_CHILD_ENV}=0"
+    if not background:
+        return "foreground compiles"
+    recipe = getattr(model, "recipe", None)
+    if recipe is None or model.device.type != "cpu":
+        return "a model not loaded from a file on CPU"
+    try:
+        size = os.path.getsize(recipe["path"])
+    except OSError as exc:
+        return f"its file is not readable ({exc.strerror})"
+    avail = _available_memory()
+    if avail is not None and size > _CHILD_MEMORY_SHARE * avail:
+        return f"the file ({size / 2**20:.0f} MiB) is over a quarter of the memory available"
+    return None
+
+
+def _fx_cache_misses() -> int:
+    """Inductor's FX graph cache misses so far in this process (graphs it compiled rather than loaded)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return counters["inductor"]["fxgraph_cache_miss"]
+
+
+class _CompileChild:
+    """`python -m engine.model.compile_child` with a pipe each way; `compile(job)` waits for its answer
+    (the calling thread holds no GIL meanwhile). Its stdout is discarded; its stderr is this process's."""
+
+    def __init__(self):
+        import engine
+        root = os.path.dirname(os.path.dirname(os.path.abspath(engine.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        to_child, from_parent = os.pipe()
+        from_child, to_parent = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "engine.model.compile_child", str(to_child),
+                                          str(to_parent)], pass_fds=(to_child, to_parent), env=env,
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (from_parent, from_child):
+                os.close(fd)
+            raise
+        finally:
+            os.close(to_child)
+            os.close(to_parent)
+        self._send = Connection(from_parent, readable=False)
+        self._recv = Connection(from_child, writable=False)
+
+    def compile(self, job: dict) -> dict:
+        self._send.send(job)
+        return self._recv.recv()
+
+    def close(self) -> None:
+        """End the child (at once: a compile in progress is dropped) and wait for it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for c in (self._send, self._recv):
+            c.close()
+
+
 class CompiledSteps:
     """The compiled `_main` / `_mtp` / `_chain` of one model. `main(*args)` / `mtp(*args)` / `chain(*args)`
     take the arguments of `Qwen35Model._main` / `_mtp` / `_chain` and return the result, or None when this
@@ -538,6 +628,15 @@ class CompiledSteps:
         self.n_direct_calls = 0                # compiled calls that ran an entry directly (its guards passed)
         self.n_eager_calls = 0                 # calls that ran eager because their kind was not ready
         self.n_foreground_compiles = 0         # first calls of a kind compiled in the calling thread (blocking)
+        # calls of a ready kind that none of its graphs' guards passed, so dynamo traced it again in the calling
+        # thread (the decoding thread: every request waits for that compile); logged with the failed guards
+        self.n_calling_thread_traces = 0
+        # a child process that compiles each kind first (engine.model.compile_child), so this process loads
+        # it from inductor's cache; None while none runs, and why not where it cannot (`_child_off`)
+        self._child: _CompileChild | None = None
+        self._child_off = _child_off(model, background)
+        self.n_child_compiles = 0              # kinds the child compiled (or loaded) before this process did
+        self.n_child_cache_misses = 0          # of those, kinds whose graph this process still had to compile
 
     # -- state -------------------------------------------------------------------------------------
     def status(self) -> tuple[str, str]:
@@ -676,14 +775,17 @@ class CompiledSteps:
             lifted = _shift(key[0], args, _LIFT)
             out = self._run_entry(key, lifted)
             if out is None and locked:   # through dynamo, which may trace: the marks count only then
+                known = self._entries.get(key)
                 _mark_batch(key, args)
+                t0 = time.perf_counter()
                 with _tracing(key):
                     out = fn(self.model, *lifted)
                 # the graphs dynamo now holds (a first call, or a recompile: its guards had failed); not read
                 # again where this torch gave none usable or they could not be checked
-                known = self._entries.get(key)
                 if self._direct and (known is None or known):
                     self._entries[key] = _guarded_entries(fn)
+                    if known and len(self._entries[key]) > len(known):
+                        self._traced_here(key, known, lifted, time.perf_counter() - t0)
             if out is None:              # beside a compile, where no graph's guards passed
                 self.n_eager_calls += 1
                 return None
@@ -701,6 +803,21 @@ class CompiledSteps:
         finally:
             if locked:
                 self._lock.release()
+
+    def _traced_here(self, key: tuple, known: list, args: tuple, seconds: float) -> None:
+        """Count and log a ready kind traced again in the calling thread: none of its graphs' guards passed
+        (`known`, checked again here for their reasons), so dynamo compiled another graph while the caller
+        waited."""
+        self.n_calling_thread_traces += 1
+        frame = {"model": self.model, "args": args}
+        why = []
+        for guards, _ in known:
+            try:
+                why.append("; ".join(p.split("  #")[0] for p in guards.check_verbose(frame).verbose_code_parts))
+            except Exception as exc:   # guards of another torch: the count and the time still tell
+                why.append(f"(unreadable: {type(exc).__name__})")
+        log.warning("compiled step %s traced again in the calling thread (%.1f s): no graph's guards passed: %s",
+                    key, seconds, " | ".join(why))
 
     def _run_entry(self, key: tuple, args: tuple):
         """The result of the first of the kind's graphs whose guards pass for these arguments (the one
@@ -787,16 +904,25 @@ class CompiledSteps:
     def _next_job(self):
         """The next queued job, or None when there is none or `close()` asked (the worker then ends; see
         `_start_worker`; after `close()` a later worker skips what is left)."""
+        child = None
         with self._worker_lock:
             job = None if self._jobs.empty() else self._jobs.get()[2]
             if job is None:
                 self._worker = None
-            return job
+                # the child's compile state and model copy go with the worker (the next kind starts another);
+                # taken here, under the lock, so no next worker has made its own child yet
+                child, self._child = self._child, None
+        if child is not None:
+            child.close()
+        return job
 
     def close(self) -> None:
         """Drop the kinds still queued; the one compiling finishes (the worker then exits)."""
         self._closed = True
         self._put(None, _CLOSE)
+        child = self._child
+        if child is not None:   # a compile the worker waits for in the child: it ends now, and the worker with it
+            child.close()
 
     def _work(self) -> None:
         _dynamo_settings()
@@ -811,12 +937,63 @@ class CompiledSteps:
             if self._failed is not None or self._closed:
                 continue
             try:
+                apart = self._compile_apart(key, shape, args, fixed_rows)
+                misses = _fx_cache_misses()
                 with torch.inference_mode(), _GilHandoff():
                     self._warm(key, shape, args, fixed_rows)
+                if apart and _fx_cache_misses() > misses:
+                    self.n_child_cache_misses += 1
+                    log.info("compiled step %s: the child's graph was not in the cache here", key[:5])
                 self._ready.add(key)
                 log.info("compiled step ready: %s", key[:5])
             except Exception as exc:
                 self._fail(exc)
+
+    def _compile_apart(self, key, shape, args, fixed_rows: bool) -> bool:
+        """Have the child compile this kind (writing inductor's cache) before `_warm` traces it here. False
+        where it did not: no child for this model (`_child_off`), arguments it cannot rebuild, or a failure,
+        which is logged; `_warm` then compiles the kind here, as without a child."""
+        if self._child_off is not None or self._closed:
+            return False
+        job = self._child_job(key, shape, args, fixed_rows)
+        if job is None:
+            return False
+        try:
+            if self._child is None:
+                self._child = _CompileChild()
+            answer = self._child.compile(job)
+        except (OSError, EOFError, ValueError) as exc:   # it could not start, or it died (killed, out of memory)
+            if not self._closed:
+                self._child_off = f"the compile child failed ({type(exc).__name__}: {exc})"
+                log.warning("%s: kinds compile in this process from now on", self._child_off)
+            child, self._child = self._child, None
+            if child is not None:
+                child.close()
+            return False
+        if not answer.get("ok"):
+            log.info("compile child: %s not compiled there (%s); compiling it here", key[:5], answer.get("error"))
+            return False
+        self.n_child_compiles += 1
+        log.info("compile child: %s compiled in %.1f s", key[:5], answer["seconds"])
+        return True
+
+    def _child_job(self, key, shape, args, fixed_rows: bool) -> dict | None:
+        """What the child needs to make the same call as `_warm` will (`compile_child._fake_args`), or None
+        where an argument is not plain data it can rebuild."""
+        m, kind = self.model, key[0]
+        cache = args[1] if kind == "main" else args[2]
+        single = args[5] if kind == "main" else args[6]
+        # what `_warm` reads past the slots and positions (a round's own verification positions it makes)
+        rest = tuple(args[6:]) if kind == "main" else (None, None, None, *args[10:]) if kind == "round" \
+            else tuple(args[7:])
+        if not all(v is None or isinstance(v, (bool, int, float, str)) for v in rest):
+            return None
+        return {"recipe": m.recipe, "draft": (m.draft_vocab, m.draft_weights, m.wrong_drafts),
+                "threads": torch.get_num_threads(), "key": key, "shape": tuple(shape), "fixed_rows": fixed_rows,
+                "cache": (cache.n_slots, cache.kv_dtype, cache.has_mtp, cache.buffers()[0].is_inference()),
+                "single": None if single is None else (int(single[0]), int(single[1])),
+                "tokens_inference": args[0].is_inference(),
+                "hidden": None if kind == "main" else (args[1].dtype, args[1].is_inference()), "rest": rest}
 
     def _warm(self, key, shape, args, fixed_rows: bool) -> None:
         """Run the kind of call `key` once on a scratch cache shaped like the real one (same slots and

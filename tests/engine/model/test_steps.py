@@ -4,6 +4,7 @@ background mode runs eager until a kind of step is compiled; every failure falls
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -229,7 +230,7 @@ def test_background_mode_runs_eager_until_compiled(monkeypatch):
 
 
 @needs_cxx
-def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
+def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass(caplog):
     """After a kind's first call through dynamo, its calls run the guarded graph's code directly (the guards
     checked by the call, not by dynamo's frame hook): the same tokens and logits as through dynamo; where the
     guards fail the call goes through dynamo, which compiles a graph for it, and that one then runs directly."""
@@ -276,8 +277,14 @@ def test_a_ready_kind_runs_its_graph_directly_while_the_guards_pass():
     # compiles the kind's second graph, and later calls run it directly
     torch.set_num_threads(2)
     try:
-        got = once(False)
+        assert steps.n_calling_thread_traces == 0
+        with caplog.at_level(logging.WARNING, logger="engine.model.steps"):
+            got = once(False)
         assert steps.n_direct_calls == direct + 1 and len(steps._entries[key]) == 2
+        # counted and logged with the guard that failed (the graph held was traced at one thread)
+        assert steps.n_calling_thread_traces == 1
+        [rec] = [r for r in caplog.records if "traced again in the calling thread" in r.getMessage()]
+        assert "GLOBAL_STATE" in rec.getMessage() or "num_threads" in rec.getMessage(), rec.getMessage()
         assert torch.equal(got[2], want[2])
         once(False)
         assert steps.n_direct_calls == direct + 2
