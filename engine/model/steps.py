@@ -955,7 +955,11 @@ class CompiledSteps:
         which is logged; `_warm` then compiles the kind here, as without a child."""
         if self._child_off is not None or self._closed:
             return False
-        job = self._child_job(key, shape, args, fixed_rows)
+        try:
+            job = self._child_job(key, shape, args, fixed_rows)
+        except (IndexError, AttributeError, TypeError, ValueError) as exc:   # arguments not laid out as a step's
+            log.info("compile child: %s not sent (%s: %s)", key[:5], type(exc).__name__, exc)
+            return False
         if job is None:
             return False
         try:

@@ -518,6 +518,86 @@ def _main_args(model, cache, tok, slot):
     return tok, cache, slot_idx, positions, n_keys, single, "last", 64, False
 
 
+
+@needs_cxx
+def test_a_kind_compiles_in_a_child_process_and_loads_here_from_inductors_cache(tmp_path, monkeypatch):
+    """A background compile goes to a child process first (engine.model.compile_child), which loads the
+    same model and compiles the kind into inductor's cache; this process then traces it and finds its
+    graph there: no FX graph compiled here, the compiled step's logits those of the eager one. The child
+    ends with the worker."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))   # empty: the child must compile
+    monkeypatch.delenv(steps_mod._CHILD_ENV, raising=False)
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    model.compile_steps("compiled", background=True)
+    steps = model._steps
+    assert steps._child_off is None
+    cache = ModelCache(model.cfg, 1, 64)
+    tok = torch.tensor([[5, 17, 99, 3]])
+    model.forward(tok, cache, logits="none")
+    snap = [b.clone() for b in cache.buffers()]
+    args = _main_args(model, cache, tok[:, -1:], 0)
+    misses, hits = counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
+    try:
+        assert steps.main(*args) is None                  # queued: it runs eager meanwhile
+        assert steps.drain(600)
+        assert steps.n_child_compiles == 1 and steps.n_child_cache_misses == 0
+        assert counters["inductor"]["fxgraph_cache_miss"] == misses       # nothing compiled in this process
+        assert counters["inductor"]["fxgraph_cache_hit"] > hits
+        assert steps._child is None                       # the worker ended, and its child with it
+        for b, v in zip(cache.buffers(), snap, strict=True):
+            b.copy_(v)
+        got = steps.main(*args)
+        for b, v in zip(cache.buffers(), snap, strict=True):
+            b.copy_(v)
+        want = model._main(*args)
+        assert got is not None and torch.allclose(got[2], want[2], rtol=1e-4, atol=1e-4)
+    finally:
+        steps.close()
+
+
+def test_a_compile_child_that_fails_or_dies_leaves_the_kind_to_this_process(monkeypatch):
+    """A kind the child could not compile is compiled here; a child that dies (killed, out of memory) or
+    cannot start turns the child off for good, with a warning, and every kind compiles here."""
+    monkeypatch.delenv(steps_mod._CHILD_ENV, raising=False)
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    steps = steps_mod.CompiledSteps(model, "test", background=True)
+    warmed, answers = [], []
+    steps._warm = lambda key, shape, args, fixed_rows: warmed.append(key)
+
+    class Child:
+        def __init__(self):
+            self.closed = False
+
+        def compile(self, job):
+            answer = answers.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(steps_mod, "_CompileChild", Child)
+    cache = ModelCache(model.cfg, 1, 64)
+    args = _main_args(model, cache, torch.tensor([[5]]), 0)
+    keys = [("main", (True, 0), 1, logits, False, True, torch.float32, 0) for logits in ("last", "all", "none")]
+    answers[:] = [{"ok": False, "error": "RuntimeError: no"}, EOFError("the child died")]
+    try:
+        for key in keys:
+            steps._put((key, (1, 1), args, True))
+        steps._start_worker()
+        assert steps.drain(60)
+    finally:
+        steps.close()
+    assert warmed == keys                                 # each compiled here, after the child
+    assert steps.n_child_compiles == 0 and answers == []  # the third never went to a child
+    assert steps._child_off.startswith("the compile child failed (EOFError")
+    assert steps_mod._child_off(model, background=False) == "foreground compiles"
+    monkeypatch.setenv(steps_mod._CHILD_ENV, "0")
+    assert steps_mod._child_off(model, background=True) == f"{steps_mod._CHILD_ENV}=0"
+
 def test_inductors_plain_fx_trace_runs_when_the_steps_are_made(monkeypatch):
     """A plain `torch.fx` trace swaps `nn.Module.__call__` for the whole process while it runs, so an eager
     step in another thread fails (NameError) if it runs meanwhile; inductor does one such trace per
@@ -775,6 +855,7 @@ def test_the_gil_changes_hands_often_while_a_worker_compiles():
     steps = steps_mod.CompiledSteps(model, "test", background=True)
     seen = []
     steps._warm = lambda key, shape, args, fixed_rows: seen.append((key, short()))
+    steps._child_off = "the test replaces _warm"   # no compile child either
     try:
         steps._put((("main", None, 1, "all", False), (1, 1), (), False))
         steps._start_worker()
@@ -795,6 +876,7 @@ def test_the_compile_worker_ends_when_its_queue_is_empty():
     steps = steps_mod.CompiledSteps(model, "test", background=True)
     seen = []
     steps._warm = lambda key, shape, args, fixed_rows: seen.append((key, threading.current_thread()))
+    steps._child_off = "the test replaces _warm"   # no compile child either
     try:
         for n in (1, 2):
             steps._put((("main", None, n, "all", False), (1, 1), (), False))
@@ -818,6 +900,7 @@ def test_the_worker_compiles_plain_steps_first_then_the_kinds_in_the_order_met()
     steps = steps_mod.CompiledSteps(model, "test", background=True)
     seen, go = [], threading.Event()
     steps._warm = lambda key, shape, args, fixed_rows: go.wait(60) and seen.append(key)
+    steps._child_off = "the test replaces _warm"   # no compile child either
     mtp, verify = ("mtp", None, False, "none", 4), ("main", None, 4, "all", True)
     plain, plain2 = ("main", None, 1, "all", False), ("main", None, 1, "all", False, 2)
     rounds = [("round", None, t, 3, 4) for t in (1, 2)]
