@@ -8,7 +8,10 @@ Shapes are dynamic (cache lengths and positions are symbolic; T too where it var
 serves every step of a kind; each kind (one or several sequences, T, which logits, per-step GDN states,
 the chain's k) compiles once, which takes seconds to a minute. So by default (`background=True`) a
 kind's first calls run eagerly while a worker thread compiles it on a small scratch cache of the same
-layout; later calls of that kind run compiled. `foreground` compiles on first use instead (blocking).
+layout; later calls of that kind run compiled. Where it can, the worker first has a child process compile
+the kind (engine.model.compile_child, the same model loaded again) and then loads it from inductor's cache:
+the compile's Python work then takes no GIL from the decoding thread, and its heap goes with the child.
+`foreground` compiles on first use instead (blocking).
 Each kind gets a code object of its own, so a call checks one graph's guards only. On CPU the graph's
 host code is C++ too (inductor's `cpp_wrapper`). Without a toolchain (no C++ compiler on PATH for CPU,
 no Triton for CUDA), with MTPCHAT_STEPS=eager, or after any compile failure the eager path runs the
@@ -508,8 +511,10 @@ def _fx_trace_once() -> None:
 
 # -- a child process that compiles (engine.model.compile_child) ------------------------------------------
 _CHILD_ENV = "MTPCHAT_COMPILE_CHILD"   # 0: every kind compiles in the process that runs it
-_CHILD_MEMORY_SHARE = 0.25             # a child loads the model again: only where the file is this share of
-                                       # the memory available or less
+# a child loads the model again and holds a compile's state (torch alone ~220 MiB; 0.5-0.75 GiB in all while
+# it compiled a 4-slot server's kinds of the f32 fixture): it runs only where the file and this much more fit in
+# half the memory available
+_CHILD_OVERHEAD = 1 << 30
 
 
 def _available_memory() -> int | None:
@@ -528,7 +533,8 @@ def _available_memory() -> int | None:
 
 def _child_off(model, background: bool) -> str | None:
     """Why kinds cannot compile in a child process for this model, None where they can: background
-    compiles of a model on CPU loaded from a file (`Qwen35Model.recipe`) that fits in memory a second time."""
+    compiles of a model on CPU loaded from a file (`Qwen35Model.recipe`) that fits in memory a second time,
+    with room for a compile (`_CHILD_OVERHEAD`)."""
     if os.environ.get(_CHILD_ENV, "1").strip() == "0":
         return f"{_CHILD_ENV}=0"
     if not background:
@@ -541,8 +547,9 @@ def _child_off(model, background: bool) -> str | None:
     except OSError as exc:
         return f"its file is not readable ({exc.strerror})"
     avail = _available_memory()
-    if avail is not None and size > _CHILD_MEMORY_SHARE * avail:
-        return f"the file ({size / 2**20:.0f} MiB) is over a quarter of the memory available"
+    if avail is not None and size + _CHILD_OVERHEAD > avail / 2:
+        return (f"the file ({size / 2**20:.0f} MiB) and a compile's 1 GiB are over half the memory available "
+                f"({avail / 2**20:.0f} MiB)")
     return None
 
 

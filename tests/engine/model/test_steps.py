@@ -595,6 +595,8 @@ def test_a_compile_child_that_fails_or_dies_leaves_the_kind_to_this_process(monk
     assert steps.n_child_compiles == 0 and answers == []  # the third never went to a child
     assert steps._child_off.startswith("the compile child failed (EOFError")
     assert steps_mod._child_off(model, background=False) == "foreground compiles"
+    monkeypatch.setattr(steps_mod, "_available_memory", lambda: 2 * steps_mod._CHILD_OVERHEAD)   # no room left
+    assert "over half the memory available" in steps_mod._child_off(model, background=True)
     monkeypatch.setenv(steps_mod._CHILD_ENV, "0")
     assert steps_mod._child_off(model, background=True) == f"{steps_mod._CHILD_ENV}=0"
 
