@@ -15,6 +15,7 @@ closes. Never prints: stdout is the parent's too.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -77,12 +78,15 @@ def serve(inp: Connection, out: Connection) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # a Ctrl-C in the terminal reaches the whole process group: the parent ends this child itself (or its
+    # pipe closes), so a compile is never cut short into an error the parent would report
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="compile child: %(levelname)s %(message)s")
     inp = Connection(int(argv[0]), writable=False)
     out = Connection(int(argv[1]), readable=False)
     try:
         serve(inp, out)
-    except (BrokenPipeError, KeyboardInterrupt):   # the parent has gone
+    except BrokenPipeError:   # the parent has gone
         pass
     return 0
 

@@ -539,6 +539,8 @@ def _child_off(model, background: bool) -> str | None:
         return f"{_CHILD_ENV}=0"
     if not background:
         return "foreground compiles"
+    if getattr(sys, "frozen", False):   # a bundled app: its executable is not a Python that runs `-m`
+        return "a frozen build"
     recipe = getattr(model, "recipe", None)
     if recipe is None or model.device.type != "cpu":
         return "a model not loaded from a file on CPU"
