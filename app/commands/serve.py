@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 
 from app.commands.logits import (
@@ -25,6 +27,9 @@ from engine.resources import default_model_path
 from engine.spec.modes import STEP_MODES
 
 MTP_MODES = ("off", "on", "adaptive", "auto")
+# how long a start with compiled steps waits for the decode step's kind (`ModelBackend.compile_ahead`); past
+# it the server listens and the kind goes on compiling in the background
+COMPILE_AHEAD_S = 60.0
 
 
 def register(subparsers) -> None:
@@ -135,6 +140,13 @@ def build_state(args: argparse.Namespace):
             raise InputError(f"--ctx: {args.ctx} leaves {n_ctx_slot} tokens per slot; need at least 16")
         backend = ModelBackend(model, tokenizer.special.eog, args.parallel, n_ctx_slot,
                                prefill_chunk=args.prefill_chunk, ctx_checkpoints=args.ctx_checkpoints)
+        if steps[0] == "compiled":
+            t0 = time.monotonic()
+            print("mtpchat serve: compiling the decode step (once: later starts load it from the cache)",
+                  file=sys.stderr, flush=True)
+            done = backend.compile_ahead(COMPILE_AHEAD_S)
+            logging.getLogger("mtpchat.serve").info("decode step %s in %.1f s", "compiled" if done else
+                                                    "still compiling (in the background)", time.monotonic() - t0)
         return model, steps, n_ctx_slot, backend
 
     model, (steps_path, steps_why), n_ctx_slot, backend = in_passing_thread(build)
