@@ -557,6 +557,26 @@ def test_a_kind_compiles_in_a_child_process_and_loads_here_from_inductors_cache(
         steps.close()
 
 
+
+@needs_cxx
+def test_a_server_compiles_its_decode_step_before_the_first_request():
+    """`ModelBackend.compile_ahead` (serve with compiled steps) makes one slot's decode step at slot 0 and at
+    another on a scratch cache and waits for their kinds: both are ready before any request (no other kind
+    is), and the slots' own cache is untouched."""
+    from engine.scheduler.model_backend import ModelBackend
+
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    model.compile_steps("compiled", background=True)
+    backend = ModelBackend(model, frozenset(), 3, 64)
+    try:
+        assert backend.compile_ahead(600)
+        ready = model._steps._ready
+        assert sorted(k[1] for k in ready) == [(False, 1), (True, 1)], ready
+        assert all(k[:5] == ("main", k[1], 1, "all", False) and k[-1] == 0 for k in ready), ready
+        assert backend.cache.lengths == [0, 0, 0] and backend.cache.mtp_lengths == [0, 0, 0]
+    finally:
+        model._steps.close()
+
 def test_a_compile_child_that_fails_or_dies_leaves_the_kind_to_this_process(monkeypatch):
     """A kind the child could not compile is compiled here; a child that dies (killed, out of memory) or
     cannot start turns the child off for good, with a warning, and every kind compiles here."""
