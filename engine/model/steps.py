@@ -593,10 +593,15 @@ class _CompileChild:
         self._send.send(job)
         return self._recv.recv()
 
-    def close(self) -> None:
-        """End the child (at once: a compile in progress is dropped) and wait for it."""
+    def kill(self) -> None:
+        """End the child at once (a compile in progress is dropped): a `compile` waiting for it gets EOFError.
+        Its pipes stay open for the thread that may be reading them, which then calls `close`."""
         if self.proc.poll() is None:
             self.proc.kill()
+
+    def close(self) -> None:
+        """End the child, wait for it and close the pipes (by the thread that uses them)."""
+        self.kill()
         self.proc.wait()
         for c in (self._send, self._recv):
             c.close()
@@ -926,12 +931,13 @@ class CompiledSteps:
         return job
 
     def close(self) -> None:
-        """Drop the kinds still queued; the one compiling finishes (the worker then exits)."""
+        """Drop the kinds still queued and end the compile child (its compile in progress is dropped); a
+        compile in this process finishes. The worker then exits."""
         self._closed = True
         self._put(None, _CLOSE)
         child = self._child
-        if child is not None:   # a compile the worker waits for in the child: it ends now, and the worker with it
-            child.close()
+        if child is not None:   # the worker, waiting for it, gets EOFError and closes it
+            child.kill()
 
     def _work(self) -> None:
         _dynamo_settings()
@@ -947,6 +953,8 @@ class CompiledSteps:
                 continue
             try:
                 apart = self._compile_apart(key, shape, args, fixed_rows)
+                if self._closed:      # `close()` ended the child's compile of it: this one is dropped too
+                    continue
                 misses = _fx_cache_misses()
                 with torch.inference_mode(), _GilHandoff():
                     self._warm(key, shape, args, fixed_rows)
@@ -975,7 +983,7 @@ class CompiledSteps:
             if self._child is None:
                 self._child = _CompileChild()
             answer = self._child.compile(job)
-        except (OSError, EOFError, ValueError) as exc:   # it could not start, or it died (killed, out of memory)
+        except Exception as exc:   # it could not start, died (killed, out of memory) or could not take the job
             if not self._closed:
                 self._child_off = f"the compile child failed ({type(exc).__name__}: {exc})"
                 log.warning("%s: kinds compile in this process from now on", self._child_off)

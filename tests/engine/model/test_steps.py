@@ -596,6 +596,9 @@ def test_a_compile_child_that_fails_or_dies_leaves_the_kind_to_this_process(monk
                 raise answer
             return answer
 
+        def kill(self):
+            self.closed = True
+
         def close(self):
             self.closed = True
 
@@ -619,6 +622,41 @@ def test_a_compile_child_that_fails_or_dies_leaves_the_kind_to_this_process(monk
     assert "over half the memory available" in steps_mod._child_off(model, background=True)
     monkeypatch.setenv(steps_mod._CHILD_ENV, "0")
     assert steps_mod._child_off(model, background=True) == f"{steps_mod._CHILD_ENV}=0"
+
+
+def test_closing_the_steps_ends_the_child_compile_at_once(monkeypatch):
+    """`close()` (the app or server ending) kills a child in the middle of a compile: the worker, waiting for
+    it, ends at once, and the kind is not compiled in this process instead."""
+    import threading
+
+    monkeypatch.delenv(steps_mod._CHILD_ENV, raising=False)
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    steps = steps_mod.CompiledSteps(model, "test", background=True)
+    warmed, entered, killed = [], threading.Event(), threading.Event()
+    steps._warm = lambda key, shape, args, fixed_rows: warmed.append(key)
+
+    class Child:
+        def compile(self, job):
+            entered.set()
+            killed.wait(60)
+            raise EOFError
+
+        def kill(self):
+            killed.set()
+
+        def close(self):
+            killed.set()
+
+    monkeypatch.setattr(steps_mod, "_CompileChild", Child)
+    args = _main_args(model, ModelCache(model.cfg, 1, 64), torch.tensor([[5]]), 0)
+    steps._put((("main", (True, 1), 1, "all", False, True, torch.float32, 0), (1, 1), args, True))
+    steps._start_worker()
+    worker = steps._worker
+    assert entered.wait(60)
+    steps.close()
+    worker.join(10)
+    assert not worker.is_alive() and warmed == [] and steps._child is None
+    assert steps._child_off is None                       # a kill by close() is not a failure
 
 def test_inductors_plain_fx_trace_runs_when_the_steps_are_made(monkeypatch):
     """A plain `torch.fx` trace swaps `nn.Module.__call__` for the whole process while it runs, so an eager
