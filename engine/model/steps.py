@@ -982,6 +982,8 @@ class CompiledSteps:
         try:
             if self._child is None:
                 self._child = _CompileChild()
+                if self._closed:      # `close()` came while it started: it is closed with the worker
+                    return False
             answer = self._child.compile(job)
         except Exception as exc:   # it could not start, died (killed, out of memory) or could not take the job
             if not self._closed:
