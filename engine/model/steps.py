@@ -555,6 +555,12 @@ def _child_off(model, background: bool) -> str | None:
     return None
 
 
+def _cache_and_single(kind: str, args: tuple) -> tuple:
+    """A step's cache and its single sequence's (slot, start) or None, where a `kind` of step takes them
+    (`main` has no hidden rows before the cache)."""
+    return (args[1], args[5]) if kind == "main" else (args[2], args[6])
+
+
 def _fx_cache_misses() -> int:
     """Inductor's FX graph cache misses so far in this process (graphs it compiled rather than loaded)."""
     try:
@@ -1004,8 +1010,7 @@ class CompiledSteps:
         """What the child needs to make the same call as `_warm` will (`compile_child._fake_args`), or None
         where an argument is not plain data it can rebuild."""
         m, kind = self.model, key[0]
-        cache = args[1] if kind == "main" else args[2]
-        single = args[5] if kind == "main" else args[6]
+        cache, single = _cache_and_single(kind, args)
         # what `_warm` reads past the slots and positions (a round's own verification positions it makes)
         rest = tuple(args[6:]) if kind == "main" else (None, None, None, *args[10:]) if kind == "round" \
             else tuple(args[7:])
@@ -1025,8 +1030,7 @@ class CompiledSteps:
 
         m = self.model
         kind = key[0]
-        real = args[1] if kind == "main" else args[2]
-        single = args[5] if kind == "main" else args[6]
+        real, single = _cache_and_single(kind, args)
         B, T = shape
         # made like the real cache (an inference tensor or not: guards check the dispatch keys)
         with torch.inference_mode(real.buffers()[0].is_inference()):
