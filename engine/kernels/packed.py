@@ -115,14 +115,17 @@ class PackedWeight:
         """An int8 copy of a float 2-D weight [N, K] with one float32 scale per row (type I8, parts `q` and
         `d`): d = max|row| / 127, q = x / d rounded half away from zero (0 where d is 0). Not a GGUF form
         (ggml's I8 has no scale): MTP drafts multiply by it (`Qwen35Model.set_draft_weights('int8')`), where
-        an approximate product is allowed. Rows are converted a slice at a time."""
-        if w.dim() != 2:
+        an approximate product is allowed. Rows are converted a slice at a time; `w` may be a 2-D packed
+        weight too (a quantized file's), whose rows are dequantized a slice at a time."""
+        if w.ndim != 2:
             raise ValueError(f"{name}: int8 rows need a 2-D weight, got {tuple(w.shape)}")
         N, K = w.shape
         q = torch.empty(N, K, dtype=torch.int8, device=w.device)
         d = torch.empty(N, 1, dtype=torch.float32, device=w.device)
         for r in range(0, N, rows_at_once):
-            q[r:r + rows_at_once], d[r:r + rows_at_once] = _int8_symmetric(w[r:r + rows_at_once].float())
+            rows = (w[torch.arange(r, min(r + rows_at_once, N), device=w.device)] if isinstance(w, PackedWeight)
+                    else w[r:r + rows_at_once])
+            q[r:r + rows_at_once], d[r:r + rows_at_once] = _int8_symmetric(rows.float())
         return cls(name, T.I8, (N, K), {"q": q, "d": d})
 
     def as_int8_dots(self) -> PackedWeight:

@@ -156,13 +156,15 @@ class Qwen35Model(nn.Module):
         products skip the block scales' multiply; with 'int8_dots' the same rows multiplied by the CPU's 8-bit
         dot products, each activation row rounded to int8 too (`engine.kernels.int8_dots`: AVX-512 VNNI, built
         on first use; an InputError where it cannot run), and the products of one input joined into one call
-        (gate and up; attn_q, attn_k and attn_v for a chain's scratch rows, `_draft_twin`). Weights already
-        quantized are read as they are. A draft reads its weights once per drafted token, so on float files
-        the chain reads a quarter (F32) or half (16-bit) of the bytes. Drafts are only proposals: verification keeps the output exact, and the MTP
+        (gate and up; attn_q, attn_k and attn_v for a chain's scratch rows, `_draft_twin`). 'int8' and
+        'int8_dots' copy a quantized file's packed matrices too (Q8_0, K-quants: a row's int8 copy dequantizes
+        it first); 'q8_0' reads them as they are. A draft reads its weights once per drafted token, so on float
+        files the chain reads a quarter (F32) or half (16-bit) of the bytes. Drafts are only proposals: verification keeps the output exact, and the MTP
         cache rows a chain keeps (its first step's) are computed with the exact eh_proj, attn_k and attn_v,
         so the MTP cache stays what exact drafting leaves (spec §1.5); only the draft tokens, hence
         acceptance, can differ. `mtp_forward` (cache commits, --mtp-out, imatrix) always uses the exact
-        weights. Memory: the copies (demo model 1.4 MB; a BF16 0.8B file's tied 248,320-row head ~270 MB).
+        weights. Memory: the copies (demo model 1.4 MB; a BF16 0.8B file's tied 248,320-row head ~270 MB, as much
+        for a quantized one's).
         what: the setting's name in errors (e.g. a CLI flag)."""
         if kind not in DRAFT_WEIGHTS:
             raise InputError(f"{what}: expected one of {', '.join(DRAFT_WEIGHTS)}, got {kind!r}")
@@ -668,9 +670,16 @@ class DraftTwin:
 
 def _draft_weight(kind: str, name: str, w):
     """The draft form `kind` of a weight: a Q8_0 copy ('q8_0', rows of 32-multiples only) or an int8 copy
-    with a scale per row ('int8'); an already quantized packed weight, or another shape, as it is."""
+    with a scale per row ('int8', 'int8_dots'); another shape as it is. An already quantized packed weight
+    stays as it is for 'q8_0', and gets the int8 copy too (rows dequantized, then rounded to int8 per row):
+    a quantized file's own blocks cost a draft far more to unpack than its bytes save (compiled steps, AMD
+    EPYC with AVX-512 VNNI, int8_dots: a draft row of the tiny Q4_K_M fixture 0.53-0.66 -> 0.058-0.066 ms, of
+    the Q8_0 one 0.097-0.100 -> 0.061-0.063 ms; docs/benchmarks.md, forty-first session)."""
     packed = isinstance(w, PackedWeight)
     if packed and w.ggml_type not in (T.BF16, T.F16):
+        if kind in ("int8", "int8_dots") and w.ndim == 2 and w.ggml_type != T.I8:
+            copy = PackedWeight.int8_rows_of(name, w)
+            return copy.as_int8_dots() if kind == "int8_dots" else copy
         return w
     src = w.parts["w"] if packed else w            # 16-bit rows as they are: the copies widen a slice at a time
     if src.dim() != 2:

@@ -439,6 +439,54 @@ def test_draft_weights_leave_the_mtp_cache_exact(model, kind):
     assert model.draft_weights == "exact" and not model._draft
 
 
+@pytest.mark.parametrize("kind", ["int8", "int8_dots"])
+def test_a_quantized_files_draft_weights_get_int8_copies_too(kind):
+    """A quantized file's packed matrices (here Q4_K, and Q6_K for the head and ffn_down) get the int8 copies
+    that float files' do: rows dequantized, then rounded per row (within half a step of the dequantized
+    weight), joined where `int8_dots` joins them; 'q8_0' keeps them as the file holds them. The chain's
+    first draft and its MTP cache rows are exact drafting's."""
+    from engine.kernels import PackedWeight, int8_dots
+    from engine.model import load_model
+    from tests.conftest import fixture_path
+    if kind == "int8_dots" and not int8_dots.available():
+        pytest.skip(f"int8 dot products {int8_dots.status()[1]}")
+    model = load_model(fixture_path("models/tiny-qwen35-q4_k_m.gguf"), packed=True, min_packed=0)
+    n = model.cfg.nextn_blocks[0]
+    blk = model.blk[n]
+    assert blk.mixer.attn_q.weight.ggml_type.name == "Q4_K" and model.output.weight.ggml_type.name == "Q6_K"
+    t = _text(13, 5000)
+    runs = {}
+    for run in ("exact", kind, "q8_0"):
+        cache = ModelCache(model.cfg, 1, 64)
+        out = model(t[:, :-1], cache, logits="none")
+        model.mtp_forward(t[:, :-1], shift_hidden(out.hidden), cache, logits="none")
+        try:
+            model.set_draft_weights(run)
+            drafts, _ = model.draft_chain(t[:, -1:], out.hidden[:, -1:], cache, [0], 3)
+            twin = model._draft.get(n)
+        finally:
+            model.set_draft_weights("exact")
+        L = cache.mtp_lengths[0]
+        runs[run] = (drafts, cache.mtp_k[n][0, :L].clone(), L)
+        if run == "q8_0":              # a quantized file's own blocks, as they are
+            assert twin.head is model.output.weight and twin.block.mixer.attn_q.weight is blk.mixer.attn_q.weight
+        elif run == kind:
+            layout = "q" if kind == "int8" else "qu"
+            for mod, orig in ((twin.block.mixer.attn_q, blk.mixer.attn_q), (twin.block.nextn.eh_proj, blk.nextn.eh_proj),
+                              (twin.block.ffn.ffn_down, blk.ffn.ffn_down), (None, model.output)):
+                w = twin.head if mod is None else mod.weight
+                assert isinstance(w, PackedWeight) and w.ggml_type.name == "I8" and layout in w.parts
+                dense = orig.weight.dense()
+                err = (w.dense() - dense).abs().amax(-1)
+                assert (err <= dense.abs().amax(-1) / 127 * 0.57 + 1e-12).all()
+            if kind == "int8_dots":
+                assert twin.block.ffn.draft_gate_up is not None and twin.block.mixer.draft_qkv is not None
+    (e, cq, nq) = runs["exact"]
+    for run in (kind, "q8_0"):
+        d, c, L = runs[run]
+        assert L == nq and torch.equal(c, cq) and torch.equal(d[:, 0], e[:, 0]), run
+
+
 def test_context_overflow_is_an_input_error(model):
     from engine.errors import InputError
     cache = ModelCache(model.cfg, 1, 8)

@@ -1,7 +1,7 @@
 """The speculative loop on the fixture models (reliability-matrix F1, F2, F3, F5; spec §1.5).
 
 F1: greedy tokens with --mtp on/adaptive/auto equal --mtp off, for k = 1..4, 1 and 4 sequences,
-whole-prompt and 7-token prefill. F2: after rounds forced to reject at every draft position, the
+whole-prompt and 7-token prefill, on every fixture file (the quantized ones with packed weights). F2: after rounds forced to reject at every draft position, the
 main KV length, conv and recurrent state equal plain one-token decoding of the accepted tokens (the
 verification runs the per-token delta rule, but a k+1-row matmul is not bitwise a 1-row one on this
 CPU backend: compared at 1e-5 relative, CLARIFICATIONS Issue 5; the test prints exact=), and
@@ -14,16 +14,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import ModelCache, shift_hidden
+from engine.kernels.packed import PackedWeight
+from engine.model import ModelCache, load_model, shift_hidden
 from engine.sampling import SamplingParams
 from engine.spec.decode import SpecDecoder, SpecOptions
 from engine.spec.stops import StopRule
+from tests.conftest import fixture_path
 from tests.engine.model.conftest import get_model, get_ref
 
 MODELS = {
     "dense": ("models/tiny-qwen35-f32.gguf", "ref/tiny-qwen35.npz"),
     "moe": ("models/tiny-qwen35moe-q8_0.gguf", "ref/tiny-qwen35moe.npz"),
 }
+# The quantized fixture files, loaded as the commands load them when their steps compile: every matrix
+# packed (`engine.model.steps.min_packed`), multiplied by the fused kernels of engine/kernels (eager here).
+QUANT_MODELS = ("q8_0", "q6_k", "q4_k_m", "iq4_xs")
 MODES = ("on", "adaptive", "auto")
 
 
@@ -43,8 +48,8 @@ def _run(model, prompts, mode, k, chunk=None, n=40, **kw):
     return [r.tokens for r in dec.generate(prompts, StopRule(max_tokens=n))], dec
 
 
-def _f1(name, prompts, n, chunks, full):
-    model = get_model(MODELS[name][0])
+def _f1(name, prompts, n, chunks, full, model=None):
+    model = model or get_model(MODELS[name][0])
     plain = [_run(model, [p], "off", 1, n=n)[0][0] for p in prompts]
     runs = identical = 0
     for mode in MODES:
@@ -74,6 +79,17 @@ def test_f1_greedy_tokens_identical_in_every_mode(name):
     ref = get_ref(MODELS[name][1])
     plain = _f1(name, _prompts(ref), 40, (None, 7), full=False)
     assert plain[0][:24] == ref["greedy_7"].tolist()
+
+
+@pytest.mark.parametrize("name", QUANT_MODELS)
+def test_f1_greedy_tokens_identical_on_every_quantized_file_with_packed_weights(name):
+    """F1 on the other fixture files: Q8_0, Q6_K and Q4_K matrices kept packed, so a verification multiplies
+    k + 1 rows by the same fused kernels that a plain step runs over one row (IQ4_XS has no packed kernel:
+    its matrices load dequantized)."""
+    model = load_model(fixture_path(f"models/tiny-qwen35-{name}.gguf"), packed=True, min_packed=0)
+    packed = [v for m in model.modules() for v in vars(m).values() if isinstance(v, PackedWeight)]
+    assert len(packed) > 10 or name == "iq4_xs", name
+    _f1(name, _prompts(get_ref("ref/tiny-qwen35.npz")), 40, (None, 7), full=False, model=model)
 
 
 @pytest.mark.slow
