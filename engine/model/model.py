@@ -670,9 +670,9 @@ class DraftTwin:
 
 def _draft_weight(kind: str, name: str, w):
     """The draft form `kind` of a weight: a Q8_0 copy ('q8_0', rows of 32-multiples only) or an int8 copy
-    with a scale per row ('int8', 'int8_dots'); another shape as it is. An already quantized packed weight
-    stays as it is for 'q8_0', and gets the int8 copy too (rows dequantized, then rounded to int8 per row):
-    a quantized file's own blocks cost a draft far more to unpack than its bytes save (compiled steps, AMD
+    with a scale per row ('int8', 'int8_dots'); another shape as it is. For 'int8' and 'int8_dots' an already
+    quantized packed weight gets the int8 copy too (rows dequantized, then rounded to int8 per row; 'q8_0'
+    leaves it as it is): a quantized file's own blocks cost a draft far more to unpack than its bytes save (compiled steps, AMD
     EPYC with AVX-512 VNNI, int8_dots: a draft row of the tiny Q4_K_M fixture 0.53-0.66 -> 0.058-0.066 ms, of
     the Q8_0 one 0.097-0.100 -> 0.061-0.063 ms; docs/benchmarks.md, forty-first session)."""
     packed = isinstance(w, PackedWeight)
