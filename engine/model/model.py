@@ -676,13 +676,12 @@ def _draft_weight(kind: str, name: str, w):
     EPYC with AVX-512 VNNI, int8_dots: a draft row of the tiny Q4_K_M fixture 0.53-0.66 -> 0.058-0.066 ms, of
     the Q8_0 one 0.097-0.100 -> 0.061-0.063 ms; docs/benchmarks.md, forty-first session)."""
     packed = isinstance(w, PackedWeight)
-    if packed and w.ggml_type not in (T.BF16, T.F16):
-        if kind in ("int8", "int8_dots") and w.ndim == 2 and w.ggml_type != T.I8:
-            copy = PackedWeight.int8_rows_of(name, w)
-            return copy.as_int8_dots() if kind == "int8_dots" else copy
+    quantized = packed and w.ggml_type not in (T.BF16, T.F16)
+    if quantized and (kind == "q8_0" or w.ggml_type == T.I8):
         return w
-    src = w.parts["w"] if packed else w            # 16-bit rows as they are: the copies widen a slice at a time
-    if src.dim() != 2:
+    # 16-bit rows as they are, quantized ones packed: the copies widen or dequantize a slice at a time
+    src = w.parts["w"] if packed and not quantized else w
+    if src.ndim != 2:
         return w
     if kind == "int8":
         return PackedWeight.int8_rows_of(name, src)
@@ -721,7 +720,7 @@ def _draft_twin(kind: str, mod: nn.Module, name: str = "") -> nn.Module:
 def _joined_rows(name: str, *mods: Linear) -> PackedWeight | None:
     """One int8_dots weight holding the rows of several weights of one input size, in order: their products
     in one operator call. Rows are scaled one by one, so each part's rows are its own copy's (`_draft_weight`).
-    None where a weight has no such copy (already quantized, not 2-D) or the sizes differ."""
+    None where a weight has no such copy (not 2-D) or the sizes differ."""
     parts = [_draft_weight("int8_dots", name, m.weight) for m in mods]
     if any(not isinstance(w, PackedWeight) or "qu" not in w.parts or w.shape[1] != parts[0].shape[1]
            for w in parts):

@@ -1,8 +1,9 @@
 """The speculative loop on the fixture models (reliability-matrix F1, F2, F3, F5; spec §1.5).
 
 F1: greedy tokens with --mtp on/adaptive/auto equal --mtp off, for k = 1..4, 1 and 4 sequences,
-whole-prompt and 7-token prefill, on every fixture file (the quantized ones with packed weights). F2: after rounds forced to reject at every draft position, the
-main KV length, conv and recurrent state equal plain one-token decoding of the accepted tokens (the
+whole-prompt and 7-token prefill, on every fixture file (the quantized ones with packed weights). F2:
+after rounds forced to reject at every draft position, the main KV length, conv and recurrent state
+equal plain one-token decoding of the accepted tokens (the
 verification runs the per-token delta rule, but a k+1-row matmul is not bitwise a 1-row one on this
 CPU backend: compared at 1e-5 relative, CLARIFICATIONS Issue 5; the test prints exact=), and
 the MTP cache equals a fresh re-warm (§1.5). F3: EOS, stop strings and max_tokens at every position
