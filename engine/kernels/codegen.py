@@ -11,7 +11,8 @@ every time. A Q8_0 product of 2048 x 1024 weights, one row, one thread, ran 3.4-
 `install()` rewrites exactly those load lines into an SSE load of the 8 or 16 bytes placed in the low lanes
 of a vector whose other lanes are 1: the same value ATen's copy builds, with no store in between. It
 changes code generation only where inductor picks AVX2, and adds a key to inductor's graph cache so that
-kernels generated before it are not reused.
+kernels generated before it are not reused. The key holds in every thread, and a kernel is rewritten only
+where its graph is keyed so (see `_set_in_every_thread`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ _installed: dict = {}
 # part of inductor's graph-cache key while the rewrite is installed: raise it whenever `byte_load` writes
 # different code, so that kernels cached with the older form are not reused
 REWRITE_VERSION = 1
+_KEY = f"mtpchat-byte-loads-{REWRITE_VERSION}"
+_OPTION = "post_grad_custom_post_pass"   # inductor's option whose uuid() its graph-cache key includes
 
 # `at::vec::Vectorized<int8_t>::loadu(<address>, 8)`, the count written as `8`, `8L` or `static_cast<int64_t>(8)`
 _PARTIAL_BYTE_LOAD = re.compile(
@@ -99,7 +102,7 @@ def install() -> bool:
 
         def load_line(self, var, index, dtype, load_mask=None):
             line = original(self, var, index, dtype, load_mask)
-            if load_mask is None and dtype in (torch.int8, torch.uint8):
+            if load_mask is None and dtype in (torch.int8, torch.uint8) and _keyed(config):
                 return byte_load(line) or line
             return line
 
@@ -110,12 +113,32 @@ def install() -> bool:
                 return None
 
             def uuid(self) -> str:
-                return f"mtpchat-byte-loads-{REWRITE_VERSION}"
+                return _KEY
 
         cpp.CppVecKernel._get_vec_load_line = load_line
-        config.post_grad_custom_post_pass = _CacheKey()
+        _set_in_every_thread(config, _OPTION, _CacheKey())
         _installed.update(original=original, cls=cpp.CppVecKernel, config=config)
         return True
+
+
+def _keyed(config) -> bool:
+    """Whether the graph being compiled in this thread is keyed as rewritten (the code must follow its key: a
+    thread with an option of its own, set by `config.patch` or an assignment, keeps ATen's loads)."""
+    uuid = getattr(getattr(config, _OPTION, None), "uuid", None)
+    return callable(uuid) and uuid() == _KEY
+
+
+def _set_in_every_thread(config, name: str, value) -> None:
+    """Set one of inductor's options for every thread. torch 2.13 keeps an assignment to an option per thread
+    (a context variable): made where the model was loaded, the graph-cache key did not reach the compile
+    worker's thread, while the rewrite did. So on AVX2 a kind that the compile child had put in the cache
+    missed there when the worker traced it (the child keys it in its own main thread) and was compiled a
+    second time, in this process (forty-second session, an AMD EPYC of AVX2). Every thread reads the
+    option's default unless it assigned its own; a torch with plain module options takes the assignment."""
+    entry = getattr(config, "_config", {}).get(name)
+    if entry is not None and hasattr(entry, "default") and hasattr(entry, "user_override"):
+        entry.default = value
+    setattr(config, name, value)
 
 
 def uninstall() -> None:
@@ -123,7 +146,7 @@ def uninstall() -> None:
     with _lock:
         if "original" in _installed:
             _installed["cls"]._get_vec_load_line = _installed["original"]
-            _installed["config"].post_grad_custom_post_pass = None
+            _set_in_every_thread(_installed["config"], _OPTION, None)
             _installed.clear()
 
 

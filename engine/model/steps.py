@@ -227,6 +227,7 @@ def _drop_trace_leftovers() -> None:
       (its sympy expressions, its dispatch cache) stayed alive through them;
     - the generated code and printed graphs (`_GRAPH_TEXTS`, `_MODULE_SOURCES`, the FX cache key's debug
       lines): ~1.5 MiB a kind;
+    - AOTAutograd's tracker of random-number state, whose last state is FakeTensors of the last trace;
     - torch's "mega-cache" (`torch.compiler.save_cache_artifacts`, which mtpchat does not call) keeps the
       pickled bytes of every FX-graph and AOTAutograd cache entry the process wrote or read: ~1.9 MiB a kind;
       and each compiled function its AOTAutograd entry's bytes again, for serializing it (`_unserializable`):
@@ -241,8 +242,22 @@ def _drop_trace_leftovers() -> None:
     with compile_lock:
         _drop_wrapper_state()
         _drop_shape_envs()
+        _drop_rng_tracker()
         _drop_cache_artifacts()
     _trim_heap()
+
+
+def _drop_rng_tracker() -> None:
+    """AOTAutograd's `PhiloxStateTracker` keeps the last trace's seed and offset as class attributes: FakeTensors,
+    and through their mode that trace's ShapeEnv. A kind compiled from an empty cache (traced by AOTAutograd here,
+    not loaded) kept one ShapeEnv alive that way (forty-first and forty-second sessions, both AMD EPYCs). Each
+    AOTAutograd trace resets the tracker before it starts; so does this, after one ends."""
+    try:
+        from torch._decomp.decompositions_for_rng import PhiloxStateTracker
+    except ImportError:
+        return
+    if callable(getattr(PhiloxStateTracker, "reset", None)):
+        PhiloxStateTracker.reset()
 
 
 def _drop_cache_artifacts() -> None:

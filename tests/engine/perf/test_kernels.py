@@ -375,3 +375,63 @@ def test_compiled_products_load_bytes_directly_on_avx2(kernels):
         codegen.install()
         torch._dynamo.reset()
     assert all(ats)        # without the rewrite, each type's kernel had ATen's partial loads
+
+
+def test_an_option_set_for_every_thread_reaches_a_new_thread():
+    """torch keeps an assignment to one of inductor's options per thread: `_set_in_every_thread` reaches a
+    thread started later (the compile worker), where a plain assignment does not."""
+    import threading
+
+    from torch._inductor import config
+
+    from engine.kernels import codegen
+
+    def seen_by_a_new_thread():
+        got = []
+        t = threading.Thread(target=lambda: got.append(config.post_grad_custom_pre_pass))
+        t.start()
+        t.join()
+        return got[0]
+
+    marker = object.__new__(type("Marker", (), {"uuid": lambda self: "test-marker"}))
+    saved = config.post_grad_custom_pre_pass
+    try:
+        codegen._set_in_every_thread(config, "post_grad_custom_pre_pass", marker)
+        assert config.post_grad_custom_pre_pass is marker
+        assert getattr(seen_by_a_new_thread(), "uuid", lambda: None)() == "test-marker"
+    finally:
+        codegen._set_in_every_thread(config, "post_grad_custom_pre_pass", saved)
+    assert seen_by_a_new_thread() is saved
+
+
+@pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
+def test_the_byte_loads_key_holds_in_every_thread_and_the_code_follows_it(kernels):
+    """The rewrite's graph-cache key holds in a thread other than the one that installed it (the compile
+    worker: without it, a kind the compile child had cached missed there and compiled again on AVX2), and
+    a graph compiled where the key is not set keeps ATen's partial loads: code and key never disagree."""
+    import threading
+
+    from torch._inductor import config
+
+    from engine.kernels import codegen
+    if fused.status()[0] != "compiled" or not codegen.avx2():
+        pytest.skip("inductor does not generate AVX2 code here (AVX-512 loads bytes with masks)")
+    assert codegen.install()
+    got = []
+    t = threading.Thread(target=lambda: got.append(codegen._keyed(config)))
+    t.start()
+    t.join()
+    assert got == [True]
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5))
+    pw, _ = _weight(T.Q8_0, 32, 256, seed=6)
+    try:
+        with config.patch(post_grad_custom_post_pass=None):
+            torch._dynamo.reset()
+            y_plain, code = _product_code(T.Q8_0, x, pw)
+        assert "int8_t>::loadu(" in code and "_mm256_inserti128_si256(_mm256_set1_epi8(1)" not in code
+        torch._dynamo.reset()
+        y, code = _product_code(T.Q8_0, x, pw)
+        assert "_mm256_inserti128_si256(_mm256_set1_epi8(1)" in code
+        assert torch.equal(y, y_plain)
+    finally:
+        torch._dynamo.reset()
