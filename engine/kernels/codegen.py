@@ -142,7 +142,8 @@ def _set_in_every_thread(config, name: str, value) -> None:
 
 
 def uninstall() -> None:
-    """Undo `install` (tests compare both code generations in one process)."""
+    """Undo `install` (tests compare both code generations in one process). For the calling thread and threads
+    started later: inductor gives a thread that read the key a copy of its own, which it keeps."""
     with _lock:
         if "original" in _installed:
             _installed["cls"]._get_vec_load_line = _installed["original"]
