@@ -1,5 +1,6 @@
 """`mtpchat bench [--model PATH] [--prompts FILE] [--max-tokens N] [--mtp off,on,adaptive,auto]
-[--draft 1,2,3,4] [--repeats R] [--wrong-drafts] [--json]`: decode speed of MTP configurations.
+[--draft 1,2,3,4] [--repeats R] [--wrong-drafts] [--temperature T --top-k K --top-p P] [--json]`: decode speed
+of MTP configurations.
 
 All configurations run in one process on the same prompts, interleaved, and are reported side by side:
 decode tokens/s (median), ratio to off (of the medians, and the median of each run's ratio to off's run of
@@ -50,6 +51,11 @@ def register(subparsers) -> None:
                    help="time with the wall clock (default) or this thread's CPU time (use with --threads 1 "
                         "on a shared machine; the MTP policies then decide on CPU time too)")
     p.add_argument("--stop-at-eos", action="store_true", help="stop runs at end-of-generation tokens")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (default 0: greedy); every configuration's run of a prompt "
+                        "draws from one seed, so all of them emit the same text and compare like for like")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the K most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (1 = off)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     bench_synthetic.add_args(p)
     p.set_defaults(func=run)
@@ -113,6 +119,7 @@ def _load_prompts(path: Path | None, f, n_vocab: int) -> list[list[int]]:
 def run(args: argparse.Namespace) -> int:
     if args.synthetic:
         return bench_synthetic.run(args)
+    from engine.sampling import SamplingParams
     from engine.spec.bench import configurations, run_bench
 
     modes = _csv(args.mtp, "--mtp", str, MTP_MODES)
@@ -121,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--max-tokens: must be >= 2, got {args.max_tokens}")
     if args.repeats < 1:
         raise InputError(f"--repeats: must be >= 1, got {args.repeats}")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     f, model = load_from_args(args)
     if any(m != "off" for m in modes) and not model.cfg.has_mtp:
         raise InputError("--mtp: this model file has no MTP (nextn) layer; use --mtp off")
@@ -138,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.flush()
     doc = run_bench(model, prompts, configs, max_tokens=args.max_tokens, repeats=args.repeats,
                     wrong_drafts=args.wrong_drafts, hidden=args.mtp_hidden, eos_ids=eos, progress=progress,
-                    clock=args.clock)
+                    clock=args.clock, sampling=sampling)
     doc["model"] = str(f.path)
     if args.json:
         sys.stdout.write(json.dumps(doc) + "\n")
@@ -160,6 +168,11 @@ def _paired(p: dict | None) -> str:
     return f"{p['median']:.3f} " + (f"[{ci[0]:.3f}-{ci[1]:.3f}]" if ci else f"(n={p['n']}, no CI)")
 
 
+def _sampling(s: dict) -> str:
+    return (f", temperature {s['temperature']:g}" + (f" top-k {s['top_k']}" if s["top_k"] else "")
+            + (f" top-p {s['top_p']:g}" if s["top_p"] < 1.0 else ""))
+
+
 def _table(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -170,7 +183,8 @@ def _table(doc: dict) -> None:
              f"{doc['device']} {doc['dtype']}, {doc['threads']} threads, {doc['clock']} clock"
              + (f", drafts among the first {doc['draft_vocab']} token ids" if doc["draft_vocab"] < doc["n_vocab"] else "")
              + (f", {doc['draft_weights']} draft weights" if doc["draft_weights"] != "exact" else "")
-             + (", WRONG DRAFTS" if doc["wrong_drafts"] else ""))
+             + (", WRONG DRAFTS" if doc["wrong_drafts"] else "")
+             + (_sampling(doc["sampling"]) if doc.get("sampling") else ""))
     t = Table(title=title)
     for col in ("config", "tok/s", "x off", "x off by prompt [95% CI]", "accept/pos", "mean len", "plain ms",
                 "verify ms (rows)", "draft ms", "cache MiB"):
@@ -184,6 +198,11 @@ def _table(doc: dict) -> None:
                   "in verify" if r.get("fused_rounds") and r["draft_step_ms"] is None else
                   _fmt(r["draft_step_ms"], ".3f"), _fmt(r["cache_mib"], ".1f"))
     Console(width=200).print(t)
+    differ = [f"{r['config']} {r['runs_differing_from_off']} of {r['runs']}" for r in doc["configs"]
+              if r.get("runs_differing_from_off")]
+    if differ:
+        print("runs whose tokens differ from off's run of the same prompt (a near-tie the verification's numerics "
+              "tip): " + ", ".join(differ))
     print(f"peak RSS {doc['peak_rss_mib']:.0f} MiB; matrices: {describe_weights(doc['weights'])}; "
           f"steps: {doc['steps']['path']} ({doc['steps']['why']})")
     bw = doc["bandwidth"]

@@ -192,7 +192,7 @@ class Qwen35Model(nn.Module):
         """Benchmarks only: every draft a chain returns is (its argmax + 1) mod the vocabulary, a token the
         target model almost never emits there, so a round measures the pure overhead of speculation. The
         chain itself runs unchanged (step j + 1 still reads step j's own argmax) and the offset is applied
-        inside the same call, so a greedy round still drafts and verifies in one compiled graph: the cost
+        inside the same call, so a round still drafts and verifies in one compiled graph: the cost
         measured is the one a real all-rejected round pays, not that of a slower unfused path."""
         self.wrong_drafts = bool(on)
 
@@ -541,7 +541,7 @@ class Qwen35Model(nn.Module):
     def draft_and_verify(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
                          k: int, *, chunk: int = 64, block: int | None = None, pad: int = 0
                          ) -> tuple[torch.Tensor, ForwardOutput, torch.Tensor]:
-        """A greedy speculative round's tensor work in one call: `draft_chain` (k drafts from tokens [B, T] /
+        """A speculative round's tensor work in one call: `draft_chain` (k drafts from tokens [B, T] /
         hidden [B, T, E], the last row being the pending token s0 and its carry), then the verification
         `forward` of [s0, d1..dk] (all logits, per-step GDN states) and its argmax. Returns drafts [B, k],
         the verification's ForwardOutput and the target tokens [B, k+1] (long, on the device).

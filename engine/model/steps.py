@@ -1,5 +1,5 @@
 """The compiled decode step: `torch.compile` over the whole cached forward of a few tokens (a decode
-step, a verification of k+1 rows, a chain of k MTP drafts, an MTP cache commit, a greedy round's chain and
+step, a verification of k+1 rows, a chain of k MTP drafts, an MTP cache commit, a round's chain and
 verification together), so a small model's
 step runs as a handful of fused C++ (CPU) or Triton (CUDA) kernels instead of hundreds of eager
 operations.

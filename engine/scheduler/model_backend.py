@@ -403,10 +403,9 @@ class ModelBackend(SlotBackend):
         P = [len(self.slots[s].tokens) for s in slots]
         d = torch.zeros(B, K, dtype=torch.long, device=dev)           # drafts; padding past a slot's k
         samplers = [self.slots[s].run.sampler for s in slots]
-        # every slot drafts K and decodes greedily: drafting and verification in one call (one compiled
-        # graph), whose time counts as verification
-        fused = (len(spec) == B and all(k == K for k in ks) and all(sm.plain_greedy for sm in samplers)
-                 and self.model.steps_status[0] == "compiled")
+        # every slot drafts K: drafting and verification in one call (one compiled graph), whose time counts as
+        # verification; drafts are greedy whatever the sampling, and sampled slots draw from its logits (§3.3)
+        fused = len(spec) == B and all(k == K for k in ks) and self.model.steps_status[0] == "compiled"
         targets = out = None
         if spec and all(ks[i] == K for i in spec):
             # every drafting slot drafts K: the whole chain in one call (one compiled graph)

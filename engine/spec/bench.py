@@ -10,6 +10,7 @@ Returns plain dicts; never prints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import statistics
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.bench.speed import bytes_per_decode_step, measure_read_bandwidth, weight_inventory
+from engine.sampling import SamplingParams
 from engine.spec.decode import SpecDecoder, SpecOptions
 from engine.spec.events import SpecStats
 from engine.spec.policy import AutoPolicy
@@ -83,7 +85,10 @@ def paired_ratios(runs: dict, off: dict) -> dict | None:
 def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchConfig], *, max_tokens: int,
               repeats: int = 1, wrong_drafts: bool = False, hidden: str = "post-norm",
               eos_ids: frozenset[int] = frozenset(), progress: Callable[[int, int], None] | None = None,
-              clock: str = "wall") -> dict:
+              clock: str = "wall", sampling: SamplingParams = SamplingParams()) -> dict:
+    """Every configuration on every prompt, `repeats` times, interleaved. With sampling (temperature > 0)
+    every configuration's run of a prompt in a repeat draws from one seed (`run_seed`): each position is drawn
+    at its own uniform (spec §3.3), so they emit the same text and their times compare like for like."""
     # wrong drafts: every draft is (its argmax + 1) mod vocab, made inside the chain's own call
     # (`set_wrong_drafts`), so greedy rounds keep drafting and verifying in one compiled graph as real
     # rejected rounds do (a draft hook between the calls forced the slower unfused path)
@@ -91,14 +96,20 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
     model.set_wrong_drafts(wrong_drafts)
     try:
         return _run(model, prompts, configs, max_tokens=max_tokens, repeats=repeats, wrong_drafts=wrong_drafts,
-                    hidden=hidden, eos_ids=eos_ids, progress=progress, clock=clock)
+                    hidden=hidden, eos_ids=eos_ids, progress=progress, clock=clock, sampling=sampling)
     finally:
         model.set_wrong_drafts(before)
 
 
-def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, eos_ids, progress, clock) -> dict:
+def run_seed(rep: int, prompt_index: int, n_prompts: int) -> int:
+    """The sampling seed of every configuration's run of one prompt in one repeat."""
+    return rep * n_prompts + prompt_index
+
+
+def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, eos_ids, progress, clock,
+         sampling) -> dict:
     # "tps": each kept run's decode tok/s by (repeat, prompt index)
-    per: dict[str, dict] = {c.name: {"tps": {}, "stats": SpecStats(), "plain_s": [], "verify_s": {},
+    per: dict[str, dict] = {c.name: {"tps": {}, "tokens": {}, "stats": SpecStats(), "plain_s": [], "verify_s": {},
                                      "draft_s": [], "post_s": [], "cache_bytes": 0, "cuda_peak": 0, "fused": 0}
                             for c in configs}
     total, done = repeats * len(prompts) * len(configs), 0
@@ -131,8 +142,9 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
         for _ in range(4):
             before = steps.kinds_ready
             for cfg in warm:
-                for prompt in prompts:
-                    SpecDecoder(model, options(cfg)).generate([prompt], StopRule(max_tokens=max_tokens, eos_ids=eos_ids))
+                for i, prompt in enumerate(prompts):
+                    SpecDecoder(model, options(cfg)).generate([prompt], StopRule(max_tokens=max_tokens, eos_ids=eos_ids),
+                                                              dataclasses.replace(sampling, seed=run_seed(0, i, len(prompts))))
             steps.drain()
             if steps.kinds_ready == before:
                 break
@@ -145,7 +157,8 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
                 for attempt in range(RERUN_MAX + 1):
                     before = (steps.n_eager_calls, steps.kinds_ready) if steps is not None else None
                     run = _timed_run(model, prompt, cfg, options(cfg, clock=CLOCKS[clock], controller_factory=factory(cfg)),
-                                     max_tokens, eos_ids, cuda)
+                                     max_tokens, eos_ids, cuda,
+                                     dataclasses.replace(sampling, seed=run_seed(rep, i, len(prompts))))
                     if steps is None or (steps.n_eager_calls, steps.kinds_ready) == before:
                         break
                     if attempt == RERUN_MAX:
@@ -159,6 +172,7 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
                     repeated += 1
                 _merge(per[cfg.name], run)
                 per[cfg.name]["tps"][(rep, i)] = run["tps"]
+                per[cfg.name]["tokens"][(rep, i)] = run["tokens"]
                 done += 1
                 if progress is not None:
                     progress(done, total)
@@ -177,6 +191,10 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
             "ratio_to_off": tps / off_tps if tps and off_tps else None,
             # the same, prompt by prompt: each run against `off`'s run of that prompt in that repeat
             "ratio_to_off_paired": paired_ratios(acc["tps"], per["off"]["tps"]) if "off" in per else None,
+            # runs whose tokens differ from `off`'s run of the same prompt and repeat: 0 greedy (F1) and sampled
+            # (each prompt's runs share a seed, spec §3.3), but for a near-tie that the verification's numerics tip
+            "runs_differing_from_off": sum(toks != per["off"]["tokens"].get(key) for key, toks in acc["tokens"].items())
+            if "off" in per else None,
             "accepted_per_position": st.accepted_per_position,
             "accept_rate": st.accept_rate,
             "mean_accepted_length": st.mean_accepted_length,
@@ -184,7 +202,7 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
             "plain_step_ms": _ms(_median(acc["plain_s"])),
             "verify_ms": {str(n): _ms(v) for n, v in verify.items()},
             "verify_over_plain_step": {str(n): v / off_step for n, v in verify.items()} if off_step else {},
-            # rounds drafted and verified in one call (greedy, compiled steps): their verify_ms is the
+            # rounds drafted and verified in one call (compiled steps): their verify_ms is the
             # whole call, k drafts included, and draft_step_ms covers the other rounds only
             "fused_rounds": acc["fused"],
             "draft_step_ms": _ms(draft),
@@ -214,6 +232,9 @@ def _run(model, prompts, configs, *, max_tokens, repeats, wrong_drafts, hidden, 
         "configs": rows,
         "prompts": len(prompts), "repeats": repeats, "max_tokens": max_tokens,
         "wrong_drafts": wrong_drafts, "hidden": hidden, "clock": clock,
+        # None: greedy; else the sampling every run used (each prompt's runs sharing one seed: `run_seed`)
+        "sampling": None if sampling.greedy else {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                                                  "top_p": sampling.top_p},
         "n_vocab": model.cfg.n_vocab,
         "draft_vocab": model.draft_vocab or model.cfg.n_vocab,     # token ids a draft chooses among
         "draft_weights": model.draft_weights,                      # exact or q8_0 (set_draft_weights)
@@ -321,14 +342,15 @@ def call_costs(model, prompt: Sequence[int], ks: Sequence[int], *, clock: str = 
     }
 
 
-def _timed_run(model, prompt, cfg: BenchConfig, opts: SpecOptions, max_tokens: int, eos_ids, cuda: bool) -> dict:
+def _timed_run(model, prompt, cfg: BenchConfig, opts: SpecOptions, max_tokens: int, eos_ids, cuda: bool,
+               sampling: SamplingParams) -> dict:
     """One request of one configuration: its decode tokens/s, its events' timings, its stats."""
     run: dict = {"plain_s": [], "verify_s": {}, "draft_s": [], "post_s": [], "fused": 0}
     dec = SpecDecoder(model, opts)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    for ev in dec.stream([prompt], StopRule(max_tokens=max_tokens, eos_ids=eos_ids)):
+    for ev in dec.stream([prompt], StopRule(max_tokens=max_tokens, eos_ids=eos_ids), sampling):
         if ev.k == 0:
             run["plain_s"].append(ev.round_s)
         else:
@@ -341,6 +363,7 @@ def _timed_run(model, prompt, cfg: BenchConfig, opts: SpecOptions, max_tokens: i
     res = dec.results()[0]
     run["cuda_peak"] = torch.cuda.max_memory_allocated() if cuda else 0
     run["tps"] = res.decode_tokens_per_second
+    run["tokens"] = res.tokens
     run["cache_bytes"] = dec.cache.nbytes()
     run["stats"] = res.stats
     return run

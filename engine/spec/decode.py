@@ -273,9 +273,9 @@ class SpecDecoder:
         m, cache, opt = self.model, self.cache, self.opt
         seqs = [s for s, _ in group]
         slots = [s.slot for s in seqs]
-        # a greedy round drafts and verifies in one compiled call (see `fused` below)
-        fusable = (m.steps_status[0] == "compiled" and opt.draft_hook is None and opt.rollback == "per_step"
-                   and all(s.sampler.params.greedy for s in seqs))
+        # a round drafts and verifies in one compiled call (see `fused` below); drafts are greedy whatever the
+        # sampling, and a sampled round draws its rows from the call's logits (spec §3.3)
+        fusable = m.steps_status[0] == "compiled" and opt.draft_hook is None and opt.rollback == "per_step"
         # draft step 1 writes the queued entries (the last round's accepted drafts, a few plain steps' entries):
         # up to k, or for one sequence as many as its padded step 1 holds (one compiled graph per k:
         # `Qwen35Model.step1_pad`)
@@ -298,8 +298,8 @@ class SpecDecoder:
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             by_len.setdefault(len(s.mtp_queue), []).append(i)
-        # a greedy round whose rows share one step-1 length drafts and verifies in one call (one compiled
-        # graph): its time is all verify_s (draft_s 0), the drafting being inside the call
+        # a round whose rows share one step-1 length drafts and verifies in one call (one compiled graph): its
+        # time is all verify_s (draft_s 0), the drafting being inside the call
         fused = fusable and len(by_len) == 1
         out = targets = None
         for idx in by_len.values():
@@ -334,7 +334,7 @@ class SpecDecoder:
             out = m.forward(rows, cache, slots, logits="all", chunk=opt.delta_chunk,
                             gdn_steps=opt.rollback == "per_step")
         h = self._hidden(out)
-        if targets is not None:
+        if targets is not None and all(s.sampler.params.greedy for s in seqs):
             # drafts and targets in one host read; the accepted prefix counted here
             host = []
             for row in torch.cat([d, targets], dim=1).tolist():

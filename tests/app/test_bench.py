@@ -30,6 +30,7 @@ def test_bench_json_reports_every_configuration(tmp_path, mtpchat):  # noqa: F81
         paired = c["ratio_to_off_paired"]                       # 2 prompts x 1 repeat: too few for an interval
         assert paired["n"] == 2 and paired["ci95"] is None and paired["median"] > 0
     assert by["off"]["ratio_to_off_paired"]["median"] == 1.0
+    assert all(c["runs_differing_from_off"] == 0 for c in doc["configs"])    # greedy: F1
     on2 = by["on/k=2"]
     assert on2["rounds"] > 0 and len(on2["accepted_per_position"]) == 2
     assert 1.0 <= on2["mean_accepted_length"] <= 3.0
@@ -63,11 +64,32 @@ def test_bench_wrong_drafts_are_never_accepted(tmp_path, mtpchat):  # noqa: F811
     assert doc["draft_vocab"] == 512 and doc["n_vocab"] == 4096 and doc["draft_weights"] == "q8_0"
 
 
+def test_bench_samples_when_given_a_temperature(tmp_path, mtpchat):  # noqa: F811
+    """--temperature: every configuration's run of a prompt draws from one seed (spec §3.3: each position at its
+    own uniform), so `on` emits the same tokens as `off`; the document says how it sampled."""
+    model, ref_rel, _ = (fixture_path(p) for p in MODELS["dense"])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"tokens": np.load(ref_rel)["prompt_33"].tolist()}) + "\n")
+    r = mtpchat("bench", "--model", str(model), "--prompts", str(prompts), "--max-tokens", "16", "--mtp", "off,on",
+                "--draft", "2", "--threads", "1", "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.95}
+    off, on = doc["configs"]
+    assert on["rounds"] > 0 and off["rounds"] == 0
+    assert on["runs_differing_from_off"] == off["runs_differing_from_off"] == 0
+    greedy = mtpchat("bench", "--model", str(model), "--prompts", str(prompts), "--max-tokens", "4", "--mtp", "off",
+                     "--threads", "1", "--json")
+    assert json.loads(greedy.stdout)["sampling"] is None
+
+
 @pytest.mark.parametrize("args, message", [
     (("--mtp", "off,sometimes"), "--mtp: 'sometimes' is not one of"),
     (("--draft", "1,9"), "--draft: 9 is not one of"),
     (("--draft", "x"), "--draft: expected a comma-separated list"),
     (("--max-tokens", "1"), "--max-tokens: must be >= 2"),
+    (("--temperature", "-1"), "temperature: must be >= 0"),
+    (("--temperature", "1", "--top-p", "0"), "top_p: must be in (0, 1]"),
 ])
 def test_bench_bad_flags_exit_2_with_one_line(args, message, mtpchat):  # noqa: F811
     r = mtpchat("bench", "--model", str(fixture_path(MODELS["dense"][0])), *args)

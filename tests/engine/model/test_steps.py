@@ -156,6 +156,65 @@ def test_wrong_drafts_run_in_the_fused_round():
 
 
 @needs_cxx
+def test_sampled_rounds_run_in_the_fused_round():
+    """At temperature > 0 (the server's default sampling) a round still drafts and verifies in one compiled call:
+    drafts are greedy whatever the sampling, and the rows are drawn from the call's logits (spec §3.3). Every
+    emitted token takes one draw of the request's seed, so `on` emits plain sampling's tokens, in the server's
+    batch and in `SpecDecoder`, and `draft_chain` (the two-call round) is never called."""
+    from engine.sampling import SamplingParams
+    from engine.scheduler.model_backend import ModelBackend
+    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.types import GenerationRequest, RoundEvent, TextDelta
+    from tests.engine.scheduler.scripted import CharText
+
+    path, ref_path = MODELS["dense"]
+    prompts = _prompts(get_ref(ref_path))
+    with torch.inference_mode(False):             # (the tests run in inference mode, a server's thread does not)
+        m = load_model(fixture_path(path))
+        m.compile_steps("compiled", background=False)
+
+    def serve(mtp):
+        with torch.inference_mode(False):
+            sched = Scheduler(ModelBackend(m, frozenset(), 1, 128), CharText)
+        try:
+            req = GenerationRequest(prompt=tuple(prompts[1]), max_tokens=24, temperature=0.8, top_k=40, top_p=0.95,
+                                    min_p=0.05, seed=11, ignore_eos=True, mtp=mtp, n_draft=3)
+            evs = list(sched.submit(req))
+        finally:
+            sched.close()
+        assert evs[-1].finish_reason == "length", evs[-1]
+        toks = [t for e in evs if isinstance(e, TextDelta) for t in e.token_ids]
+        return toks, [e for e in evs if isinstance(e, RoundEvent) and e.k > 0]
+
+    sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=7)
+
+    def gen(mode):
+        dec = SpecDecoder(m, SpecOptions(mode=mode, n_draft=3))
+        events = list(dec.stream(prompts[:1], StopRule(max_tokens=24), sp))
+        return [r.tokens for r in dec.results()], [e for e in events if e.k > 0]
+
+    def two_calls(*a, **kw):   # an Exception, not pytest's Failed: the server's thread reports it as an error
+        raise AssertionError("a sampled round ran as two calls")
+
+    plain, _ = serve("off")
+    real_chain = m.draft_chain
+    m.draft_chain = two_calls
+    try:
+        toks, rounds = serve("on")
+        assert toks == plain and len(toks) == 24
+        assert rounds and all(e.draft_s == 0 for e in rounds)          # drafted inside the round's call
+        m.draft_chain = real_chain
+        want, _ = gen("off")
+        m.draft_chain = two_calls
+        got, rounds = gen("on")
+        assert got == want
+        assert rounds and all(e.draft_s == 0 for e in rounds)
+        assert sum(e.accepted for e in rounds) > 0
+    finally:
+        m.draft_chain = real_chain
+
+
+@needs_cxx
 def test_compiled_round_leaves_the_cache_past_step_one_alone():
     """A greedy round's draft steps 2..k keep their MTP keys and values out of the cache (scratch rows):
     the compiled round writes only step 1's rows, and its cost does not grow with the cache's size. When
