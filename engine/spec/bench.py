@@ -90,7 +90,7 @@ def run_bench(model, prompts: Sequence[Sequence[int]], configs: Sequence[BenchCo
     every configuration's run of a prompt in a repeat draws from one seed (`run_seed`): each position is drawn
     at its own uniform (spec §3.3), so they emit the same text and their times compare like for like."""
     # wrong drafts: every draft is (its argmax + 1) mod vocab, made inside the chain's own call
-    # (`set_wrong_drafts`), so greedy rounds keep drafting and verifying in one compiled graph as real
+    # (`set_wrong_drafts`), so rounds keep drafting and verifying in one compiled graph as real
     # rejected rounds do (a draft hook between the calls forced the slower unfused path)
     before = model.wrong_drafts
     model.set_wrong_drafts(wrong_drafts)
