@@ -76,10 +76,12 @@ def _tracing(key: tuple):
     """The settings a call of kind `key` traces under. A kind of several sequences with a dynamic batch size
     (`_fixed_batch` 0) traces without duck shaping: with it the batch size, equal to a static size when
     traced, became that constant. 4 sequences verifying 4 rows each (T is static) gave a graph for B = 4
-    only, and a batch of 3 then retraced it in the decoding thread, every other request waiting. The other
-    kinds keep it: without it the demo model's rounds (one sequence, k = 3) ran 1.4-5.2 % slower (paired,
-    both orders; thirty-eighth session)."""
-    if key[1] is None and key[-1] == 0:
+    only, and a batch of 3 then retraced it in the decoding thread, every other request waiting. So does an
+    MTP kind of T > 1 (cache commits: T is dynamic): traced at T = 2 its graph served T = 2 only, and the next
+    commit of another length retraced it in the decoding thread (1-6 s on the demo model; forty-fifth session).
+    The other kinds keep it: without it the demo model's rounds (one sequence, k = 3) ran 1.4-5.2 % slower
+    (paired, both orders; thirty-eighth session)."""
+    if (key[1] is None and key[-1] == 0) or (key[0] == "mtp" and not key[2]):
         try:
             from torch.fx.experimental import _config as fx_config
         except ImportError:   # another torch: its default (a batch size may then retrace)

@@ -277,7 +277,7 @@ class AutoPolicy(DraftController):
             # estimates); restart the warm-up weights so the new regime is learnt in a few rounds. Not on any
             # probe that accepts its whole draft: where drafts are poor but not hopeless (random-token prompts,
             # demo model: conditional acceptance 0.53 / 0.70 / 0.86) one probe in three of k = 2 does, and each
-            # such restart bought rounds that lost to plain steps (`on` k = 3 ran at 0.82-0.92x there)
+            # such restart bought rounds that lost to plain steps (`on` k = 3 ran at 0.79-0.92x there)
             self.alpha_n = [0] * (self.k_max + 1)
         # alpha_j is observed by rounds with k >= j whose drafts 1..j-1 were accepted (spec §4.2)
         for j in range(1, min(k, accepted + 1) + 1):

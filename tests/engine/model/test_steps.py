@@ -531,6 +531,41 @@ def test_one_graph_serves_every_batch_size_of_a_kind(monkeypatch):
     assert steps.n_foreground_compiles == 3 and steps.n_compiled_calls == 8   # both caches' plain steps
 
 
+def test_one_graph_serves_every_length_of_an_mtp_cache_commit(monkeypatch):
+    """A head-less MTP commit (prompt warm-up, the plain steps' MTP sync, accepted drafts) is one kind whose T
+    is dynamic. With duck shaping a first commit of 2 rows gave a graph for T = 2 only, and a commit of 3 rows
+    retraced it in the decoding thread. One graph serves T = 2, 3 and 40 (past STEP_MAX_T: the sync of a queue
+    of plain steps runs compiled up to MTP_COMMIT_MAX_T rows) and writes the eager path's keys and values."""
+    import engine.model.model as model_mod
+
+    _dynamo_only(monkeypatch)
+    model = load_model(fixture_path(MODELS["dense"][0]))
+    model.compile_steps("compiled", background=False)
+    steps = model._steps
+    cache, twin = ModelCache(model.cfg, 1, 128), ModelCache(model.cfg, 1, 128)
+    gen = torch.Generator().manual_seed(0)
+    n = model.cfg.nextn_blocks[0]
+    assert 40 > model_mod.STEP_MAX_T and 40 <= model_mod.MTP_COMMIT_MAX_T
+    for T in (7, 2, 3, 40, 5):   # the first from start 0: a kind of its own (`test_one_graph_serves_every_slot`)
+        x = torch.randint(0, model.cfg.n_vocab, (1, T), generator=gen)
+        h = torch.randn(1, T, model.cfg.n_embd, generator=gen)
+        start = cache.mtp_lengths[0]
+        model.mtp_forward(x, h, cache, [0], logits="none")
+        model._steps = None                        # the twin's commit runs the eager path
+        try:
+            model.mtp_forward(x, h, twin, [0], logits="none")
+        finally:
+            model._steps = steps
+        for got, want in ((cache.mtp_k[n], twin.mtp_k[n]), (cache.mtp_v[n], twin.mtp_v[n])):
+            torch.testing.assert_close(got[0, start:start + T], want[0, start:start + T], rtol=1e-5, atol=1e-5)
+    assert cache.mtp_lengths == twin.mtp_lengths == [57]
+    first, key = sorted((k for k in steps._ready if k[0] == "mtp"), key=str)
+    assert first[1] == (True, 0) and key[1] == (True, 1) and not key[2]
+    assert len(steps._entries[key]) == 1, steps._entries
+    assert steps.n_foreground_compiles == 2 and steps.n_compiled_calls == 5
+    assert steps.n_calling_thread_traces == 0
+
+
 def test_guard_filter_keeps_guards_on_data_and_drops_those_on_code():
     """A new graph keeps no guard on the model's modules, and of the guards on globals those on plain data
     (a module's flag or constant, which code may set at run time) but not those on code (modules,
