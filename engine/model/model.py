@@ -30,10 +30,12 @@ log = logging.getLogger(__name__)
 
 LOGIT_ROWS = ("all", "last", "none")
 STEP_MAX_T = 16   # verifications / MTP drafts of up to this many rows run the compiled step when enabled
-# head-less MTP cache commits of up to this many rows run compiled (one graph, dynamic in T): the plain steps'
-# MTP sync of a queue of up to 256 entries (spec §5.3) and a server's prefill chunk's warm-up. Eager, such a
-# commit cost the demo model ~0.8 ms whatever its rows (17 rows 0.87 ms, 100 rows 1.16 on the AMD EPYC), about
-# a plain step; compiled it is about half that (forty-fifth session)
+# head-less MTP cache commits of up to this many rows run compiled (one graph, dynamic in T) where the MTP block
+# holds no packed matrix: the plain steps' MTP sync of a queue of up to 256 entries (spec §5.3) and a server's
+# prefill chunk's warm-up. Eager, such a commit cost the demo model ~0.8 ms whatever its rows (17 rows 0.78 ms,
+# 100 rows 1.15 on the AMD EPYC), about a plain step; compiled 0.38 and 0.67 (forty-fifth session). A packed
+# matrix's product of more than SMALL_M rows runs outside the graph (a graph break at each), and one of up to
+# SMALL_M rows fixes the row count as a constant of the graph: such files keep STEP_MAX_T
 MTP_COMMIT_MAX_T = 256
 
 
@@ -110,6 +112,7 @@ class Qwen35Model(nn.Module):
         self.output_norm = RMSNorm(E, cfg.rms_eps, device)
         self.output = None if cfg.tied_output else Linear(E, cfg.n_vocab, dtype, device)
         self._steps = None                                       # CompiledSteps when compile_steps() enabled
+        self._commit_max: dict[int, int] = {}                    # nextn block -> `_commit_max_t` (first use)
         self._steps_status = ("eager", "not enabled (Qwen35Model.compile_steps)")
         self.draft_vocab: int | None = None    # MTP drafts choose among the first N token ids (None: all)
         self.draft_weights = "exact"           # the weights a draft chain multiplies by (see set_draft_weights)
@@ -380,13 +383,20 @@ class Qwen35Model(nn.Module):
         slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.mtp_lengths)
         args = (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n)
         res = None
-        if self._steps is not None and T <= (MTP_COMMIT_MAX_T if logits == "none" else STEP_MAX_T):
-            res = self._steps.mtp(*args)          # drafts and cache commits (not long prompt warm-ups)
+        if self._steps is not None and T <= (self._commit_max_t(n) if logits == "none" else STEP_MAX_T):
+            res = self._steps.mtp(*args)          # drafts; cache commits (syncs, prompt pieces): `_commit_max_t`
         if res is None:
             res = self._mtp(*args)
         for s in slots:
             cache.mtp_lengths[s] += T
         return MTPOutput(*res)
+
+    def _commit_max_t(self, n: int) -> int:
+        """The most rows of a head-less MTP commit of block n that run compiled (see MTP_COMMIT_MAX_T)."""
+        if n not in self._commit_max:   # asked after loading, which is where matrices are packed
+            packed = any(isinstance(v, PackedWeight) for mod in self.blk[n].modules() for v in vars(mod).values())
+            self._commit_max[n] = STEP_MAX_T if packed else MTP_COMMIT_MAX_T
+        return self._commit_max[n]
 
     def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None, vocab=None,
              draft=False, queued=False):

@@ -267,8 +267,10 @@ def call_costs(model, prompt: Sequence[int], ks: Sequence[int], *, clock: str = 
     k_top = max(ks)
     dev = model.device
     cache = ModelCache(model.cfg, 1, len(prompt) + k_top + 16, device=dev, kv_dtype=torch.float32, mtp=True)
-    toks = torch.tensor([list(prompt)], dtype=torch.long, device=dev)
     with torch.inference_mode():
+        # toks too: a compiled kind's guards tell inference tensors from others, and the decoder's prompt warm-up
+        # (an MTP commit of the prompt's length, the same kind) passes inference tensors
+        toks = torch.tensor([list(prompt)], dtype=torch.long, device=dev)
         out = model.forward(toks, cache, [0], logits="last")
         model.mtp_forward(toks, out.hidden, cache, [0], logits="none")
         tok = out.logits[:, -1:].argmax(-1)

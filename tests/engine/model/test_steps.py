@@ -566,6 +566,18 @@ def test_one_graph_serves_every_length_of_an_mtp_cache_commit(monkeypatch):
     assert steps.n_calling_thread_traces == 0
 
 
+def test_long_mtp_commits_run_compiled_only_where_the_mtp_block_holds_no_packed_matrix():
+    """A packed matrix's product of more than SMALL_M rows runs outside a compiled graph (a graph break), and
+    one of up to SMALL_M rows fixes the row count: such a file's long commits stay eager."""
+    import engine.model.model as model_mod
+
+    dense = load_model(fixture_path(MODELS["dense"][0]))
+    packed = load_model(fixture_path(MODELS["q8_0"][0]), packed=True, min_packed=0)
+    n = dense.cfg.nextn_blocks[0]
+    assert dense._commit_max_t(n) == model_mod.MTP_COMMIT_MAX_T > model_mod.STEP_MAX_T
+    assert packed._commit_max_t(n) == model_mod.STEP_MAX_T
+
+
 def test_guard_filter_keeps_guards_on_data_and_drops_those_on_code():
     """A new graph keeps no guard on the model's modules, and of the guards on globals those on plain data
     (a module's flag or constant, which code may set at run time) but not those on code (modules,
