@@ -19,6 +19,7 @@ from torch import nn
 from engine.config import ATTN, GDN, ModelConfig
 from engine.errors import InputError, ModelFileError
 from engine.kernels import PackedWeight, worth_packing
+from engine.kernels.fused import SMALL_M
 from engine.model.attention import GatedAttention, KVView
 from engine.model.cache import GDNSteps, ModelCache
 from engine.model.deltanet import GatedDeltaNet
@@ -33,10 +34,10 @@ STEP_MAX_T = 16   # verifications / MTP drafts of up to this many rows run the c
 # head-less MTP cache commits of up to this many rows run compiled (one graph, dynamic in T) where the MTP block
 # holds no packed matrix: the plain steps' MTP sync of a queue of up to 256 entries (spec §5.3) and a server's
 # prefill chunk's warm-up. Eager, such a commit cost the demo model ~0.8 ms whatever its rows (17 rows 0.78 ms,
-# 100 rows 1.15 on the AMD EPYC), about a plain step; compiled 0.38 and 0.67 (forty-fifth session). A packed
-# matrix's product of more than SMALL_M rows runs outside the graph (a graph break at each), and one of up to
-# SMALL_M rows fixes the row count as a constant of the graph: such files keep STEP_MAX_T
+# 100 rows 1.15 on the AMD EPYC), about a plain step; compiled 0.38 and 0.67 (forty-fifth session). Where it holds
+# one, see `_commit_rows`
 MTP_COMMIT_MAX_T = 256
+COMMIT_PIECES_MAX = 4   # a commit into a block with a packed matrix: at most this many compiled calls (`_commit_rows`)
 
 
 class Block(nn.Module):
@@ -112,7 +113,7 @@ class Qwen35Model(nn.Module):
         self.output_norm = RMSNorm(E, cfg.rms_eps, device)
         self.output = None if cfg.tied_output else Linear(E, cfg.n_vocab, dtype, device)
         self._steps = None                                       # CompiledSteps when compile_steps() enabled
-        self._commit_max: dict[int, int] = {}                    # nextn block -> `_commit_max_t` (first use)
+        self._commit_max: dict[int, int] = {}                    # nextn block -> `_commit_rows`' limit
         self._steps_status = ("eager", "not enabled (Qwen35Model.compile_steps)")
         self.draft_vocab: int | None = None    # MTP drafts choose among the first N token ids (None: all)
         self.draft_weights = "exact"           # the weights a draft chain multiplies by (see set_draft_weights)
@@ -380,23 +381,57 @@ class Qwen35Model(nn.Module):
             return MTPOutput(hm, lg)
         if not cache.has_mtp:
             raise ValueError("this cache was built without MTP KV")
-        slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, T, cache.mtp_lengths)
+        rows = T
+        if self._steps is None:
+            compiled = False
+        elif logits != "none":                    # drafts
+            compiled = T <= STEP_MAX_T
+        else:                                     # cache commits (syncs, prompt pieces, accepted drafts)
+            rows = self._commit_rows(n, cache, slots, B, T)
+            if 0 < rows < T:                      # in pieces of `rows` (`_commit_rows`)
+                for a in range(0, T, rows):
+                    self.mtp_forward(tokens[:, a:a + rows], hidden[:, a:a + rows], cache, slots, logits="none", block=n)
+                return MTPOutput(None, None)
+            compiled = rows > 0
+            if compiled and T > 1 and self._commit_max[n] == SMALL_M:
+                # padding rows after the commit's: written past its end, not kept (as `step1_pad`'s). Built anew even
+                # where none is added: the graph's shape is fixed, so its guards check the strides too (a slice of
+                # a longer row, as `bench` passes, was traced again in the decoding thread)
+                tokens = torch.cat([tokens, tokens[:, -1:].expand(B, rows - T)], 1)
+                hidden = torch.cat([hidden, hidden[:, -1:].expand(B, rows - T, hidden.shape[-1])], 1)
+        slots, slot_idx, positions, n_keys, single = self._slots(cache, slots, B, max(rows, T), cache.mtp_lengths)
         args = (tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n)
-        res = None
-        if self._steps is not None and T <= (self._commit_max_t(n) if logits == "none" else STEP_MAX_T):
-            res = self._steps.mtp(*args)          # drafts; cache commits (syncs, prompt pieces): `_commit_max_t`
+        res = self._steps.mtp(*args) if compiled else None
         if res is None:
             res = self._mtp(*args)
         for s in slots:
             cache.mtp_lengths[s] += T
         return MTPOutput(*res)
 
-    def _commit_max_t(self, n: int) -> int:
-        """The most rows of a head-less MTP commit of block n that run compiled (see MTP_COMMIT_MAX_T)."""
+    def _commit_rows(self, n: int, cache: ModelCache, slots: list[int] | None, B: int, T: int) -> int:
+        """The rows per sequence of each compiled call that a head-less MTP commit of T rows into block n runs
+        as: T; more (padded); fewer (the commit runs in pieces of that many); 0 for one eager call.
+
+        Without a packed matrix in the block: T, up to MTP_COMMIT_MAX_T (one graph, dynamic in T). With one, a
+        product of up to SMALL_M rows loops over them in the graph, which fixes the row count, and a longer one
+        runs outside it, a graph break at each product: on the Q4_K_M fixture each new commit length of 2..7
+        rows was traced again in the decoding thread (9.6-10.6 s each), and a compiled commit of 12 rows took
+        2.9-3.1 ms. So there one sequence's commit runs in calls of SMALL_M rows, the last one padded: one graph
+        (0.5-0.55 ms a call against 1.8-2.2 eager for 2-8 rows; in pieces 0.9-1.5 ms against 1.9-2.6 for 9-24
+        rows, even at 40, slower past; forty-sixth session), up to COMMIT_PIECES_MAX calls. One row keeps its
+        kind (a plain step's entry, one row per sequence); the rest run eager, as does a call whose padding
+        would pass the cache's end."""
         if n not in self._commit_max:   # asked after loading, which is where matrices are packed
-            packed = any(isinstance(v, PackedWeight) for mod in self.blk[n].modules() for v in vars(mod).values())
-            self._commit_max[n] = STEP_MAX_T if packed else MTP_COMMIT_MAX_T
-        return self._commit_max[n]
+            # (an int8-dots weight's product is one operation for any rows: no such limit)
+            packed = any(isinstance(v, PackedWeight) and "qu" not in v.parts
+                         for mod in self.blk[n].modules() for v in vars(mod).values())
+            self._commit_max[n] = SMALL_M if packed else MTP_COMMIT_MAX_T
+        if self._commit_max[n] == MTP_COMMIT_MAX_T or T == 1:
+            return T if T <= MTP_COMMIT_MAX_T else 0
+        if B > 1 or T > COMMIT_PIECES_MAX * SMALL_M or (slots is not None and len(slots) != 1):
+            return 0
+        start = cache.mtp_lengths[0 if slots is None else slots[0]]
+        return SMALL_M if T > SMALL_M or start + SMALL_M <= cache.n_ctx else 0
 
     def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None, vocab=None,
              draft=False, queued=False):

@@ -422,9 +422,9 @@ def _dynamo_only(monkeypatch) -> None:
     run as traced (seconds, not a C++ build)."""
     real_compile = torch.compile
 
-    def eager_backend(fn, dynamic, options=None):
+    def eager_backend(fn, dynamic=None, options=None, fullgraph=False):   # the steps' or a packed kernel's
         keep = {k: v for k, v in (options or {}).items() if k == "guard_filter_fn"}
-        return real_compile(fn, dynamic=dynamic, backend="eager", options=keep or None)
+        return real_compile(fn, dynamic=dynamic, backend="eager", options=keep or None, fullgraph=fullgraph)
 
     monkeypatch.setattr(torch, "compile", eager_backend)
 
@@ -566,16 +566,55 @@ def test_one_graph_serves_every_length_of_an_mtp_cache_commit(monkeypatch):
     assert steps.n_calling_thread_traces == 0
 
 
-def test_long_mtp_commits_run_compiled_only_where_the_mtp_block_holds_no_packed_matrix():
-    """A packed matrix's product of more than SMALL_M rows runs outside a compiled graph (a graph break), and
-    one of up to SMALL_M rows fixes the row count: such a file's long commits stay eager."""
+def test_commits_into_a_packed_mtp_block_run_in_padded_calls_of_one_graph(monkeypatch):
+    """A packed matrix's product of up to SMALL_M rows fixes the row count in the graph, and a longer one breaks
+    it: each new commit length was traced again in the decoding thread. One sequence's commit now runs in calls of
+    SMALL_M rows, the last padded (its padding rows written past the commit's end, not counted), through one
+    graph past start 0, whatever the lengths and the callers' strides (a slice of a longer row included); a
+    longer one, one that would pad past the cache's end, and one of several sequences run eager. Every row's key
+    and value equals the eager path's."""
     import engine.model.model as model_mod
+    from engine.kernels.fused import SMALL_M
 
+    _dynamo_only(monkeypatch)
+    model = load_model(fixture_path(MODELS["q4_k_m"][0]), packed=True, min_packed=0)
+    n = model.cfg.nextn_blocks[0]
     dense = load_model(fixture_path(MODELS["dense"][0]))
-    packed = load_model(fixture_path(MODELS["q8_0"][0]), packed=True, min_packed=0)
-    n = dense.cfg.nextn_blocks[0]
-    assert dense._commit_max_t(n) == model_mod.MTP_COMMIT_MAX_T > model_mod.STEP_MAX_T
-    assert packed._commit_max_t(n) == model_mod.STEP_MAX_T
+    assert dense._commit_rows(n, ModelCache(dense.cfg, 1, 64), None, 1, 40) == 40 > model_mod.STEP_MAX_T
+    model.compile_steps("compiled", background=False)
+    steps = model._steps
+    n_ctx = 150
+    cache, twin = ModelCache(model.cfg, 2, n_ctx), ModelCache(model.cfg, 2, n_ctx)
+    gen = torch.Generator().manual_seed(0)
+    x_all = torch.randint(0, model.cfg.n_vocab, (2, 200), generator=gen)
+    h_all = torch.randn(2, 200, model.cfg.n_embd, generator=gen)
+    longest = model_mod.COMMIT_PIECES_MAX * SMALL_M
+    # (rows, slots): the first from start 0 (a kind of its own); 33 rows and 2 sequences eager; the last 3 rows
+    # end at n_ctx: their padding would pass it, so eager too
+    plan = [(7, [0]), (2, [0]), (3, [0]), (SMALL_M, [0]), (12, [0]), (longest, [0]), (1, [0]), (longest + 1, [0]),
+            (5, [0, 1]), (21, [0]), (5, [0]), (3, [0]), (3, [0])]
+    for i, (T, slots) in enumerate(plan):
+        if i == len(plan) - 1:
+            cache.mtp_lengths[0] = twin.mtp_lengths[0] = n_ctx - T
+        start = cache.mtp_lengths[slots[0]]
+        x, h = x_all[: len(slots), start:start + T], h_all[: len(slots), start:start + T]   # slices: strides of 200
+        model.mtp_forward(x, h, cache, slots, logits="none")
+        model._steps = None                        # the twin's commit runs the eager path
+        try:
+            model.mtp_forward(x, h, twin, slots, logits="none")
+        finally:
+            model._steps = steps
+        assert cache.mtp_lengths == twin.mtp_lengths
+        for got, want in ((cache.mtp_k[n], twin.mtp_k[n]), (cache.mtp_v[n], twin.mtp_v[n])):
+            for s in slots:
+                torch.testing.assert_close(got[s, start:start + T], want[s, start:start + T], rtol=1e-5, atol=1e-5)
+    assert cache.mtp_lengths[0] == n_ctx
+    keys = sorted((k for k in steps._ready if k[0] == "mtp" and not k[2]), key=str)
+    assert [k[1] for k in keys] == [(True, 0), (True, 1)]
+    assert len(steps._entries[keys[1]]) == 1, steps._entries
+    assert steps.n_calling_thread_traces == 0
+    # 7 (1 call), 2, 3, 8, 12 (2), 32 (4), 21 (3), 5, 3: 15 calls of SMALL_M rows; 1 row: a kind of its own
+    assert steps.n_compiled_calls == 16 and steps.n_foreground_compiles == 3
 
 
 def test_guard_filter_keeps_guards_on_data_and_drops_those_on_code():
