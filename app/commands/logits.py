@@ -60,7 +60,8 @@ DRAFT_VOCAB_HELP = ("MTP drafts choose among the first N token ids only, so a dr
                     "output stays exact, only acceptance can drop); all (default) or 1..vocabulary size")
 DRAFT_WEIGHTS_CHOICES = ("auto", "exact", "q8_0", "int8", "int8_dots")
 DRAFT_WEIGHTS_HELP = ("the weights MTP drafts multiply by: q8_0 = Q8_0 copies of the MTP block's and the output "
-                      "head's float (F32/F16/BF16) matrices, a quarter or half of the bytes a draft reads; int8 = "
+                      "head's float (F32/F16/BF16) matrices, a quarter or half of the bytes a draft reads, and of "
+                      "a quantized file's other than Q8_0 (K-quants), cheaper to unpack; int8 = "
                       "int8 copies with one scale per row of those and of a quantized file's (Q8_0, K-quant) "
                       "matrices, less arithmetic; int8_dots = those "
                       "rows by the CPU's 8-bit dot products (AVX-512 VNNI or AVX-VNNI), activations rounded to int8 too "

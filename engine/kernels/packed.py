@@ -43,6 +43,13 @@ def _k_scales(sc12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _rows(w, r: int, n: int) -> torch.Tensor:
+    """Rows r .. r + n - 1 of a 2-D weight: a float tensor's slice, or a packed weight's rows dequantized."""
+    if isinstance(w, PackedWeight):
+        return w[torch.arange(r, min(r + n, w.shape[0]), device=w.device)]
+    return w[r:r + n]
+
+
 def _int8_symmetric(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] float32 -> (q int8 [..., n], d [..., 1]) with d = max|x| / 127 over the last dim and q = x / d
     rounded half away from zero (0 where d is 0), as ggml's reference Q8_0 quantizer does per block."""
@@ -98,14 +105,16 @@ class PackedWeight:
         """A Q8_0 copy of a float 2-D weight [N, K] (K a multiple of 32), block by block as ggml's reference
         quantizer writes it (gguf-py's `quants.quantize` gives the same bytes): d = max|x| / 127 kept as
         float16, q = x * (1 / d) rounded half away from zero (0 where d is 0). Rows are converted a slice at
-        a time, so a large head needs no float32 copy of itself."""
-        if w.dim() != 2 or w.shape[1] % 32:
+        a time, so a large head needs no float32 copy of itself; `w` may be a 2-D packed weight too (a
+        quantized file's), whose rows are dequantized a slice at a time."""
+        if w.ndim != 2 or w.shape[1] % 32:
             raise ValueError(f"{name}: Q8_0 needs a 2-D weight with rows a multiple of 32, got {tuple(w.shape)}")
         N, K = w.shape
         qs = torch.empty(N, K // 32, 32, dtype=torch.int8, device=w.device)
         d = torch.empty(N, K // 32, 1, dtype=torch.float32, device=w.device)
         for r in range(0, N, rows_at_once):
-            q, dr = _int8_symmetric(w[r:r + rows_at_once].float().reshape(-1, K // 32, 32))
+            rows = _rows(w, r, rows_at_once)
+            q, dr = _int8_symmetric(rows.float().reshape(-1, K // 32, 32))
             qs[r:r + rows_at_once] = q
             d[r:r + rows_at_once] = dr.half().float()
         return cls(name, T.Q8_0, (N, K), {"qs": qs, "d": d})
@@ -123,9 +132,7 @@ class PackedWeight:
         q = torch.empty(N, K, dtype=torch.int8, device=w.device)
         d = torch.empty(N, 1, dtype=torch.float32, device=w.device)
         for r in range(0, N, rows_at_once):
-            rows = (w[torch.arange(r, min(r + rows_at_once, N), device=w.device)] if isinstance(w, PackedWeight)
-                    else w[r:r + rows_at_once])
-            q[r:r + rows_at_once], d[r:r + rows_at_once] = _int8_symmetric(rows.float())
+            q[r:r + rows_at_once], d[r:r + rows_at_once] = _int8_symmetric(_rows(w, r, rows_at_once).float())
         return cls(name, T.I8, (N, K), {"q": q, "d": d})
 
     def as_int8_dots(self) -> PackedWeight:

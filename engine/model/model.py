@@ -165,9 +165,9 @@ class Qwen35Model(nn.Module):
         products skip the block scales' multiply; with 'int8_dots' the same rows multiplied by the CPU's 8-bit
         dot products, each activation row rounded to int8 too (`engine.kernels.int8_dots`: AVX-512 VNNI, built
         on first use; an InputError where it cannot run), and the products of one input joined into one call
-        (gate and up; attn_q, attn_k and attn_v for a chain's scratch rows, `_draft_twin`). 'int8' and
-        'int8_dots' copy a quantized file's packed matrices too (Q8_0, K-quants: a row's int8 copy dequantizes
-        it first); 'q8_0' reads them as they are. A draft reads its weights once per drafted token, so on float
+        (gate and up; attn_q, attn_k and attn_v for a chain's scratch rows, `_draft_twin`). A quantized file's
+        packed matrices get the copies too (a row's copy dequantizes it first), except Q8_0 ones for 'q8_0',
+        read as they are. A draft reads its weights once per drafted token, so on float
         files the chain reads a quarter (F32) or half (16-bit) of the bytes. Drafts are only proposals: verification keeps the output exact, and the MTP
         cache rows a chain keeps (its first step's) are computed with the exact eh_proj, attn_k and attn_v,
         so the MTP cache stays what exact drafting leaves (spec §1.5); only the draft tokens, hence
@@ -417,8 +417,8 @@ class Qwen35Model(nn.Module):
         runs outside it, a graph break at each product: on the Q4_K_M fixture each new commit length of 2..7
         rows was traced again in the decoding thread (9.6-10.6 s each), and a compiled commit of 12 rows took
         2.9-3.1 ms. So there one sequence's commit runs in calls of SMALL_M rows, the last one padded: one graph
-        (0.5-0.55 ms a call against 1.8-2.2 eager for 2-8 rows; in pieces 0.9-1.5 ms against 1.9-2.6 for 9-24
-        rows, even at 40, slower past; forty-sixth session), up to COMMIT_PIECES_MAX calls. One row keeps its
+        (0.39-0.56 ms a call against 1.3-2.2 eager for 2-8 rows; in pieces 0.9-1.7 ms against 1.9-3.0 for 9-24
+        rows, 2.0 against 2.7 for 32, even at 40, slower past; forty-sixth session), up to COMMIT_PIECES_MAX calls. One row keeps its
         kind (a plain step's entry, one row per sequence); the rest run eager, as does a call whose padding
         would pass the cache's end."""
         if n not in self._commit_max:   # asked after loading, which is where matrices are packed
@@ -720,14 +720,14 @@ class DraftTwin:
 
 def _draft_weight(kind: str, name: str, w):
     """The draft form `kind` of a weight: a Q8_0 copy ('q8_0', rows of 32-multiples only) or an int8 copy
-    with a scale per row ('int8', 'int8_dots'); another shape as it is. For 'int8' and 'int8_dots' an already
-    quantized packed weight gets the int8 copy too (rows dequantized, then rounded to int8 per row; 'q8_0'
-    leaves it as it is): a quantized file's own blocks cost a draft far more to unpack than its bytes save (compiled steps, AMD
-    EPYC with AVX-512 VNNI, int8_dots: a draft row of the tiny Q4_K_M fixture 0.53-0.66 -> 0.058-0.066 ms, of
-    the Q8_0 one 0.097-0.100 -> 0.061-0.063 ms; docs/benchmarks.md, forty-first session)."""
+    with a scale per row ('int8', 'int8_dots'); another shape as it is. An already quantized packed weight gets
+    the copy too (rows dequantized, then rounded), except a Q8_0 one for 'q8_0': a quantized file's own blocks
+    cost a draft far more to unpack than its bytes save (compiled steps, AMD EPYC with AVX-512 VNNI, int8_dots: a
+    draft row of the tiny Q4_K_M fixture 0.53-0.66 -> 0.058-0.066 ms, of the Q8_0 one 0.097-0.100 -> 0.061-0.063
+    ms; docs/benchmarks.md, forty-first session; AVX2, 'q8_0': see the forty-sixth session)."""
     packed = isinstance(w, PackedWeight)
     quantized = packed and w.ggml_type not in (T.BF16, T.F16)
-    if quantized and (kind == "q8_0" or w.ggml_type == T.I8):
+    if quantized and (w.ggml_type == T.I8 or (kind == "q8_0" and w.ggml_type == T.Q8_0)):
         return w
     # 16-bit rows as they are, quantized ones packed: the copies widen or dequantize a slice at a time
     src = w.parts["w"] if packed and not quantized else w

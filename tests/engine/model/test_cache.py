@@ -443,9 +443,10 @@ def test_draft_weights_leave_the_mtp_cache_exact(model, kind):
 def test_a_quantized_files_draft_weights_get_int8_copies_too(kind):
     """A quantized file's packed matrices (here Q4_K, and Q6_K for the head and ffn_down) get the int8 copies
     that float files' do: rows dequantized, then rounded per row (within half a step of the dequantized
-    weight), joined where `int8_dots` joins them; 'q8_0' keeps them as the file holds them. The chain's
-    first draft and its MTP cache rows are exact drafting's."""
-    from engine.kernels import PackedWeight, int8_dots
+    weight), joined where `int8_dots` joins them; 'q8_0' gives them Q8_0 copies (rounded per block of 32,
+    in the words layout where the compiled kernels run AVX2 code). The chain's first draft and its MTP cache
+    rows are exact drafting's."""
+    from engine.kernels import PackedWeight, codegen, int8_dots
     from engine.model import load_model
     from tests.conftest import fixture_path
     if kind == "int8_dots" and not int8_dots.available():
@@ -468,18 +469,17 @@ def test_a_quantized_files_draft_weights_get_int8_copies_too(kind):
             model.set_draft_weights("exact")
         L = cache.mtp_lengths[0]
         runs[run] = (drafts, cache.mtp_k[n][0, :L].clone(), L)
-        if run == "q8_0":              # a quantized file's own blocks, as they are
-            assert twin.head is model.output.weight and twin.block.mixer.attn_q.weight is blk.mixer.attn_q.weight
-        elif run == kind:
-            layout = "q" if kind == "int8" else "qu"
+        if run in (kind, "q8_0"):
+            ggml, layout = {"int8": ("I8", "q"), "int8_dots": ("I8", "qu"),
+                            "q8_0": ("Q8_0", "qw" if codegen.avx2() else "qs")}[run]
             for mod, orig in ((twin.block.mixer.attn_q, blk.mixer.attn_q), (twin.block.nextn.eh_proj, blk.nextn.eh_proj),
                               (twin.block.ffn.ffn_down, blk.ffn.ffn_down), (None, model.output)):
                 w = twin.head if mod is None else mod.weight
-                assert isinstance(w, PackedWeight) and w.ggml_type.name == "I8" and layout in w.parts
+                assert isinstance(w, PackedWeight) and w.ggml_type.name == ggml and layout in w.parts
                 dense = orig.weight.dense()
                 err = (w.dense() - dense).abs().amax(-1)
                 assert (err <= dense.abs().amax(-1) / 127 * 0.57 + 1e-12).all()
-            if kind == "int8_dots":
+            if run == "int8_dots":
                 assert twin.block.ffn.draft_gate_up is not None and twin.block.mixer.draft_qkv is not None
     (e, cq, nq) = runs["exact"]
     for run in (kind, "q8_0"):
