@@ -388,9 +388,12 @@ class Qwen35Model(nn.Module):
             compiled = T <= STEP_MAX_T
         else:                                     # cache commits (syncs, prompt pieces, accepted drafts)
             rows = self._commit_rows(n, cache, slots, B, T)
-            if 0 < rows < T:                      # in pieces of `rows` (`_commit_rows`)
-                for a in range(0, T, rows):
-                    self.mtp_forward(tokens[:, a:a + rows], hidden[:, a:a + rows], cache, slots, logits="none", block=n)
+            if 0 < rows < T or (rows and B > 1 and T > 1 and self._commit_max[n] == SMALL_M):
+                # in calls of one sequence and `rows` rows each (`_commit_rows`)
+                for i, s in enumerate(range(B) if slots is None else slots):
+                    for a in range(0, T, rows):
+                        self.mtp_forward(tokens[i:i + 1, a:a + rows], hidden[i:i + 1, a:a + rows], cache, [s],
+                                         logits="none", block=n)
                 return MTPOutput(None, None)
             compiled = rows > 0
             if compiled and T > 1 and self._commit_max[n] == SMALL_M:
@@ -416,10 +419,11 @@ class Qwen35Model(nn.Module):
         product of up to SMALL_M rows loops over them in the graph, which fixes the row count, and a longer one
         runs outside it, a graph break at each product: on the Q4_K_M fixture each new commit length of 2..7
         rows was traced again in the decoding thread (9.6-10.6 s each), and a compiled commit of 12 rows took
-        2.9-3.1 ms. So there one sequence's commit runs in calls of SMALL_M rows, the last one padded: one graph
-        (0.39-0.56 ms a call against 1.3-2.2 eager for 2-8 rows; in pieces 0.9-1.7 ms against 1.9-3.0 for 9-24
-        rows, 2.0 against 2.7 for 32, even at 40, slower past; forty-sixth session), up to COMMIT_PIECES_MAX calls. One row keeps its
-        kind (a plain step's entry, one row per sequence); the rest run eager, as does a call whose padding
+        2.9-3.1 ms. So there a commit runs in calls of one sequence and SMALL_M rows, the last of each sequence
+        padded: one graph (0.39-0.56 ms a call against 1.3-2.2 eager for 2-8 rows; in pieces 0.9-1.7 ms against
+        1.9-3.0 for 9-24 rows, 2.0 against 2.7 for 32, a tie at 40; forty-sixth session), up to COMMIT_PIECES_MAX
+        calls. (A server's round of several sequences commits their accepted drafts in one pass.) One row keeps
+        its kind (a plain step's entry, one row per sequence); the rest run eager, as does a call whose padding
         would pass the cache's end."""
         if n not in self._commit_max:   # asked after loading, which is where matrices are packed
             # (an int8-dots weight's product is one operation for any rows: no such limit)
@@ -428,10 +432,10 @@ class Qwen35Model(nn.Module):
             self._commit_max[n] = SMALL_M if packed else MTP_COMMIT_MAX_T
         if self._commit_max[n] == MTP_COMMIT_MAX_T or T == 1:
             return T if T <= MTP_COMMIT_MAX_T else 0
-        if B > 1 or T > COMMIT_PIECES_MAX * SMALL_M or (slots is not None and len(slots) != 1):
-            return 0
+        if B * -(-T // SMALL_M) > COMMIT_PIECES_MAX or (slots is not None and (len(slots) != B or len(set(slots)) != B)):
+            return 0                               # (wrong slots: `_slots` says what is wrong)
         start = cache.mtp_lengths[0 if slots is None else slots[0]]
-        return SMALL_M if T > SMALL_M or start + SMALL_M <= cache.n_ctx else 0
+        return SMALL_M if T > SMALL_M or B > 1 or start + SMALL_M <= cache.n_ctx else 0
 
     def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None, vocab=None,
              draft=False, queued=False):

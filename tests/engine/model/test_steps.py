@@ -568,11 +568,11 @@ def test_one_graph_serves_every_length_of_an_mtp_cache_commit(monkeypatch):
 
 def test_commits_into_a_packed_mtp_block_run_in_padded_calls_of_one_graph(monkeypatch):
     """A packed matrix's product of up to SMALL_M rows fixes the row count in the graph, and a longer one breaks
-    it: each new commit length was traced again in the decoding thread. One sequence's commit now runs in calls of
-    SMALL_M rows, the last padded (its padding rows written past the commit's end, not counted), through one
-    graph past start 0, whatever the lengths and the callers' strides (a slice of a longer row included); a
-    longer one, one that would pad past the cache's end, and one of several sequences run eager. Every row's key
-    and value equals the eager path's."""
+    it: each new commit length was traced again in the decoding thread. A commit now runs in calls of one
+    sequence and SMALL_M rows, each sequence's last padded (its padding rows written past the commit's end, not
+    counted), through one graph per slot and start class, whatever the lengths and the callers' strides (a slice
+    of a longer row included); one of more than COMMIT_PIECES_MAX such calls, and a call that would pad past the
+    cache's end, run eager. Every row's key and value equals the eager path's."""
     import engine.model.model as model_mod
     from engine.kernels.fused import SMALL_M
 
@@ -584,20 +584,24 @@ def test_commits_into_a_packed_mtp_block_run_in_padded_calls_of_one_graph(monkey
     model.compile_steps("compiled", background=False)
     steps = model._steps
     n_ctx = 150
-    cache, twin = ModelCache(model.cfg, 2, n_ctx), ModelCache(model.cfg, 2, n_ctx)
+    cache, twin = ModelCache(model.cfg, 3, n_ctx), ModelCache(model.cfg, 3, n_ctx)
     gen = torch.Generator().manual_seed(0)
-    x_all = torch.randint(0, model.cfg.n_vocab, (2, 200), generator=gen)
-    h_all = torch.randn(2, 200, model.cfg.n_embd, generator=gen)
+    x_all = torch.randint(0, model.cfg.n_vocab, (3, 200), generator=gen)
+    h_all = torch.randn(3, 200, model.cfg.n_embd, generator=gen)
     longest = model_mod.COMMIT_PIECES_MAX * SMALL_M
-    # (rows, slots): the first from start 0 (a kind of its own); 33 rows and 2 sequences eager; the last 3 rows
-    # end at n_ctx: their padding would pass it, so eager too
+    # (rows, slots): the first from start 0 (a kind of its own); 33 rows and 9 rows of 3 sequences (6 calls)
+    # eager; the last 3 rows end at n_ctx: their padding would pass it, so eager too
     plan = [(7, [0]), (2, [0]), (3, [0]), (SMALL_M, [0]), (12, [0]), (longest, [0]), (1, [0]), (longest + 1, [0]),
-            (5, [0, 1]), (21, [0]), (5, [0]), (3, [0]), (3, [0])]
+            (5, [0, 1]), (4, [0, 1, 2]), (9, [0, 1, 2]), (21, [0]), (5, [0]), (3, [0])]
     for i, (T, slots) in enumerate(plan):
         if i == len(plan) - 1:
             cache.mtp_lengths[0] = twin.mtp_lengths[0] = n_ctx - T
-        start = cache.mtp_lengths[slots[0]]
-        x, h = x_all[: len(slots), start:start + T], h_all[: len(slots), start:start + T]   # slices: strides of 200
+        starts = [cache.mtp_lengths[s] for s in slots]
+        # each sequence from its own start; one sequence's rows as a slice of a longer row (strides of 200)
+        x = torch.stack([x_all[s, p:p + T] for s, p in zip(slots, starts, strict=True)])
+        h = torch.stack([h_all[s, p:p + T] for s, p in zip(slots, starts, strict=True)])
+        if len(slots) == 1:
+            x, h = x_all[:1, starts[0]:starts[0] + T], h_all[:1, starts[0]:starts[0] + T]
         model.mtp_forward(x, h, cache, slots, logits="none")
         model._steps = None                        # the twin's commit runs the eager path
         try:
@@ -606,15 +610,17 @@ def test_commits_into_a_packed_mtp_block_run_in_padded_calls_of_one_graph(monkey
             model._steps = steps
         assert cache.mtp_lengths == twin.mtp_lengths
         for got, want in ((cache.mtp_k[n], twin.mtp_k[n]), (cache.mtp_v[n], twin.mtp_v[n])):
-            for s in slots:
-                torch.testing.assert_close(got[s, start:start + T], want[s, start:start + T], rtol=1e-5, atol=1e-5)
+            for s, p in zip(slots, starts, strict=True):
+                torch.testing.assert_close(got[s, p:p + T], want[s, p:p + T], rtol=1e-5, atol=1e-5)
     assert cache.mtp_lengths[0] == n_ctx
     keys = sorted((k for k in steps._ready if k[0] == "mtp" and not k[2]), key=str)
-    assert [k[1] for k in keys] == [(True, 0), (True, 1)]
-    assert len(steps._entries[keys[1]]) == 1, steps._entries
+    # slot 0 or another, start 0 or later (`_one`): one graph each
+    assert sorted(k[1] for k in keys) == [(False, 0), (False, 1), (True, 0), (True, 1)]
+    assert all(len(steps._entries[k]) == 1 for k in keys), steps._entries
     assert steps.n_calling_thread_traces == 0
-    # 7 (1 call), 2, 3, 8, 12 (2), 32 (4), 21 (3), 5, 3: 15 calls of SMALL_M rows; 1 row: a kind of its own
-    assert steps.n_compiled_calls == 16 and steps.n_foreground_compiles == 3
+    # 7 (1 call), 2, 3, 8, 12 (2), 32 (4), 5 x 2 sequences (2), 4 x 3 (3), 21 (3), 5: 19 calls of SMALL_M rows;
+    # 1 row: a kind of its own
+    assert steps.n_compiled_calls == 20 and steps.n_foreground_compiles == 5
 
 
 def test_guard_filter_keeps_guards_on_data_and_drops_those_on_code():
