@@ -112,9 +112,58 @@ def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor
     if t == T.Q8_0 and _q8_0_groups:   # AVX2 (measured there); AVX-512's 16 lanes would span two blocks' scales
         qs = p["qs"]
         return _q8_0_groups_product(x, lambda j: qs[..., 8 * j:8 * j + 8], p["d"])
+    if t == T.Q4_K:
+        return _q4_k_product(x, p)
+    if t == T.Q6_K:
+        return _q6_k_product(x, p)
     w = dequant_view(t, p)  # [N, K/32, 32]
     g = w.shape[-1]
     return torch.stack([(w * x[m].view(1, -1, g)).sum((-1, -2)) for m in range(x.shape[0])], dim=0)
+
+
+# The K-quants' products: the weight every row's reduction reads must stay a cheap expression of few inputs.
+# Inductor writes out an expression that several reductions read once it reads more than 4 inputs
+# (`realize_reads_threshold`): with the scales and minimums decoded in it, a product of 2-8 rows (an MTP
+# verification, a commit) wrote the whole dequantized matrix as float32 and read it back, and its rows' sums
+# differed in the last bits from the same row's product alone. So the per-sub-block scales (and Q4_K's
+# minimums) are decoded first into small buffers (one value per 16 or 32 weights), and the weight reads them
+# and its quants only.
+
+def _q4_k_product(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """small_m_product of a Q4_K weight: the weight is s * q - m per sub-block of 32, s and m decoded first
+    (the same float32 values as dequant_view's, summed in the same order)."""
+    qs, n, dev = p["qs"], p["qs"].shape[0], p["qs"].device
+    unit = torch.tensor([1.0, 1 / 16] * 4, device=dev).view(8)          # sub-blocks 2c, 2c+1 (see dequant_view)
+    s = realized(p["d"].float() * p["sc"].float() * unit).unsqueeze(-1)  # [N, K/256, 8, 1]
+    m1 = realized(p["dmin"].float() * p["mn"].float()).unsqueeze(-1)
+    masks = torch.tensor([15, 240], dtype=torch.uint8, device=dev).view(2, 1)
+    w = s * (qs.unsqueeze(-2) & masks).reshape(n, -1, 8, 32).float() - m1   # [N, K/256, 8, 32]
+    xv = x.view(x.shape[0], -1, 8, 32)
+    return torch.stack([(w * xv[m]).sum((-1, -2, -3)) for m in range(x.shape[0])], dim=0)
+
+
+def _q6_k_product(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """small_m_product of a Q6_K weight as four planes j (elements 128h + 32j + l), each with its bit fields
+    taken by constant masks: no table of masks indexed per element. Scales decoded first."""
+    ql, qh, n = p["ql"], p["qh"], p["ql"].shape[0]
+    s = realized(p["d"].float().view(n, -1, 1, 1, 1) * p["sc"].float())    # [N, K/256, half, j, 2]
+    xv = x.view(x.shape[0], -1, 2, 4, 2, 16)                             # [M, K/256, half, j, 2, 16]
+    planes = []
+    for j in range(4):
+        lo = (ql[..., j % 2, :] & (15 if j < 2 else 240)).float()         # [N, K/256, half, 32]
+        if j >= 2:
+            lo = lo * (1 / 16)
+        hi = (qh & (3 << 2 * j)).float() * (16.0 / (1 << 2 * j))        # bits 2j, 2j+1 -> value << 4
+        q = (lo + hi - 32).view(n, -1, 2, 2, 16)
+        planes.append(s[..., j, :].unsqueeze(-1) * q)                    # [N, K/256, half, 2, 16]
+    rows = []
+    for m in range(x.shape[0]):
+        acc = None
+        for j in range(4):
+            term = (planes[j] * xv[m, :, :, j]).sum((-1, -2, -3, -4))
+            acc = term if acc is None else acc + term
+        rows.append(acc)
+    return torch.stack(rows, dim=0)
 
 
 def _q8_0_words_product(x: torch.Tensor, qw: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

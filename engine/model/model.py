@@ -434,8 +434,9 @@ class Qwen35Model(nn.Module):
             return T if T <= MTP_COMMIT_MAX_T else 0
         if B * -(-T // SMALL_M) > COMMIT_PIECES_MAX or (slots is not None and (len(slots) != B or len(set(slots)) != B)):
             return 0                               # (wrong slots: `_slots` says what is wrong)
-        start = cache.mtp_lengths[0 if slots is None else slots[0]]
-        return SMALL_M if T > SMALL_M or B > 1 or start + SMALL_M <= cache.n_ctx else 0
+        if T > SMALL_M or B > 1:
+            return SMALL_M
+        return SMALL_M if cache.mtp_lengths[0 if slots is None else slots[0]] + SMALL_M <= cache.n_ctx else 0
 
     def _mtp(self, tokens, hidden, cache, slot_idx, positions, n_keys, single, logits, n, local=None, vocab=None,
              draft=False, queued=False):

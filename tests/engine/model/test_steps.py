@@ -598,10 +598,11 @@ def test_commits_into_a_packed_mtp_block_run_in_padded_calls_of_one_graph(monkey
             cache.mtp_lengths[0] = twin.mtp_lengths[0] = n_ctx - T
         starts = [cache.mtp_lengths[s] for s in slots]
         # each sequence from its own start; one sequence's rows as a slice of a longer row (strides of 200)
-        x = torch.stack([x_all[s, p:p + T] for s, p in zip(slots, starts, strict=True)])
-        h = torch.stack([h_all[s, p:p + T] for s, p in zip(slots, starts, strict=True)])
         if len(slots) == 1:
             x, h = x_all[:1, starts[0]:starts[0] + T], h_all[:1, starts[0]:starts[0] + T]
+        else:
+            x = torch.stack([x_all[s, p:p + T] for s, p in zip(slots, starts, strict=True)])
+            h = torch.stack([h_all[s, p:p + T] for s, p in zip(slots, starts, strict=True)])
         model.mtp_forward(x, h, cache, slots, logits="none")
         model._steps = None                        # the twin's commit runs the eager path
         try:

@@ -3,6 +3,8 @@ reference, and the packed model giving the reference's greedy tokens on every fi
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -343,6 +345,31 @@ def _product_code(t: T, x: torch.Tensor, pw: PackedWeight) -> tuple[torch.Tensor
     fn = torch.compile(product, dynamic=False, fullgraph=True)
     y, code = run_and_get_code(fn, x, *(pw.parts[n] for n in fused.part_names(t, pw.parts)))
     return y, "\n".join(code)
+
+
+@pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
+@pytest.mark.parametrize("t", [T.Q4_K, T.Q6_K])
+def test_compiled_k_quant_products_of_several_rows_keep_each_rows_bits(kernels, t):
+    """A K-quant product of 2-8 rows (an MTP verification, a commit) gives every row the bits that row's product
+    alone gives, and writes no float copy of the matrix: a Q4_K weight whose scales were decoded inside it was
+    written out (inductor realizes an expression of more than 4 inputs that several reductions read), and its rows
+    differed from the one-row product's in the last bits."""
+    if fused.status()[0] != "compiled":
+        pytest.skip("no compiled kernels here")
+    import re
+    pw, ref = _weight(t, 64, 512, seed=5)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6))
+    rows = [_product_code(t, x[i:i + 1].contiguous(), pw)[0][0] for i in range(5)]
+    for m in (3, 5):
+        torch._dynamo.reset()
+        y, code = _product_code(t, x[:m].contiguous(), pw)
+        for i in range(m):
+            assert torch.equal(y[i], rows[i]), (t.name, m, i)
+        r = x[:m] @ ref.T
+        assert ((y - r).abs().max() / r.abs().max()) < 1e-5, (t.name, m)
+        sizes = [math.prod(int(v) for v in re.findall(r"\d+", shape))
+                 for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", code)]
+        assert sizes and max(sizes) < 64 * 512 // 4, (t.name, m, sizes)   # scales, sums: not the matrix
 
 
 @pytest.mark.parametrize("kernels", ["compiled"], indirect=True)
