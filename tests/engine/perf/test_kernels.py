@@ -4,6 +4,7 @@ reference, and the packed model giving the reference's greedy tokens on every fi
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -356,7 +357,6 @@ def test_compiled_k_quant_products_of_several_rows_keep_each_rows_bits(kernels, 
     differed from the one-row product's in the last bits."""
     if fused.status()[0] != "compiled":
         pytest.skip("no compiled kernels here")
-    import re
     pw, ref = _weight(t, 64, 512, seed=5)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6))
     rows = [_product_code(t, x[i:i + 1].contiguous(), pw)[0][0] for i in range(5)]
