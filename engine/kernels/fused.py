@@ -44,28 +44,13 @@ def dequant_view(t: T, p: dict[str, torch.Tensor]) -> torch.Tensor:
         return q.flatten(-2).float() * p["d"].float()
     if t == T.Q8_0:   # qs [N, K/32, 32] int8, d [N, K/32, 1] f16
         return p["qs"].float() * p["d"].float()
-    if t == T.Q4_K:   # qs [N, K/256, 4, 32] bytes (low nibble: sub-block 2c, high: 2c+1), d/dmin [N, K/256, 1]
-        # nibbles by masks, no shifts (CPUs have no 8-bit vector shift; ATen emulates one with shuffles):
-        # a high nibble stays 16x its value, and its sub-block's scale takes the 1/16 (exact: powers of 2)
-        qs, n, dev = p["qs"], p["qs"].shape[0], p["qs"].device
-        masks = torch.tensor([15, 240], dtype=torch.uint8, device=dev).view(2, 1)
-        q = (qs.unsqueeze(-2) & masks).reshape(n, -1, 8, 32)                     # [N, K/256, 8, 32]
-        unit = torch.tensor([1.0, 1 / 16] * 4, device=dev).view(8)                 # sub-blocks 2c, 2c+1
-        s1 = (p["d"].float() * p["sc"].float() * unit).unsqueeze(-1)             # d·sc per sub-block
-        m1 = (p["dmin"].float() * p["mn"].float()).unsqueeze(-1)                 # dmin·m per sub-block
-        return (s1 * q.float() - m1).reshape(n, -1, 32)
-    if t == T.Q6_K:   # ql [N, K/256, half, j&1, 32], qh [N, K/256, half, 32], sc [N, K/256, half, j, 2] int8
-        # bit fields by masks and exact power-of-2 factors, no 8-bit shifts (see Q4_K)
-        ql, qh, n, dev = p["ql"], p["qh"], p["ql"].shape[0], p["ql"].device
-        m4 = torch.tensor([15, 240], dtype=torch.uint8, device=dev).view(2, 1, 1)
-        f4 = torch.tensor([1.0, 1 / 16], device=dev).view(2, 1, 1)
-        m2 = torch.tensor([3, 12, 48, 192], dtype=torch.uint8, device=dev).view(4, 1)
-        f2 = torch.tensor([16.0, 4.0, 1.0, 0.25], device=dev).view(4, 1)        # bits 2s..2s+1 -> value << 4
-        lo = ((ql.unsqueeze(-3) & m4).float() * f4).flatten(-3, -2)             # [N, B, half, 4, 32]
-        hi = (qh.unsqueeze(-2) & m2).float() * f2                               # [N, B, half, 4, 32]
-        q = lo + hi - 32                                                        # element 128h + 32j + l
+    if t == T.Q4_K:
+        return _q4_k_weights(p).reshape(p["qs"].shape[0], -1, 32)
+    if t == T.Q6_K:   # planes j of elements 128h + 32j + l -> [N, K/256, half, 4, 32]
+        n = p["ql"].shape[0]
+        q = torch.stack(_q6_k_planes(p), dim=-2).view(n, -1, 2, 4, 2, 16)
         sc = (p["d"].float().view(n, -1, 1, 1, 1) * p["sc"].float()).unsqueeze(-1)  # [N, B, half, 4, 2, 1]
-        return (sc * q.view(*q.shape[:-1], 2, 16)).reshape(n, -1, 32)
+        return (sc * q).reshape(n, -1, 32)
     if t in (T.BF16, T.F16):
         w = p["w"]
         return w.float().view(w.shape[0], -1, 32) if w.shape[-1] % 32 == 0 else w.float().unsqueeze(-1)
@@ -129,33 +114,52 @@ def small_m_product(t: T, x: torch.Tensor, *parts: torch.Tensor) -> torch.Tensor
 # minimums) are decoded first into small buffers (one value per 16 or 32 weights), and the weight reads them
 # and its quants only.
 
-def _q4_k_product(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """small_m_product of a Q4_K weight: the weight is s * q - m per sub-block of 32, s and m decoded first
-    (the same float32 values as dequant_view's, summed in the same order)."""
+def _q4_k_weights(p: dict[str, torch.Tensor], keep=lambda v: v) -> torch.Tensor:
+    """A Q4_K weight [N, K/256, 8, 32] (sub-block c of 32 along dim 2): s * q - m per sub-block.
+    qs [N, K/256, 4, 32] bytes (low nibble: sub-block 2c, high: 2c+1), d/dmin [N, K/256, 1], sc/mn [N, K/256, 8].
+    Nibbles by masks, no shifts (CPUs have no 8-bit vector shift; ATen emulates one with shuffles): a high
+    nibble stays 16x its value, and its sub-block's scale takes the 1/16 (exact: powers of 2).
+    keep: applied to the scales s and minimums m, one value per sub-block (`realized` in a product)."""
     qs, n, dev = p["qs"], p["qs"].shape[0], p["qs"].device
-    unit = torch.tensor([1.0, 1 / 16] * 4, device=dev).view(8)          # sub-blocks 2c, 2c+1 (see dequant_view)
-    s = realized(p["d"].float() * p["sc"].float() * unit).unsqueeze(-1)  # [N, K/256, 8, 1]
-    m1 = realized(p["dmin"].float() * p["mn"].float()).unsqueeze(-1)
+    unit = torch.tensor([1.0, 1 / 16] * 4, device=dev).view(8)                 # sub-blocks 2c, 2c+1
+    s = keep(p["d"].float() * p["sc"].float() * unit).unsqueeze(-1)          # d·sc per sub-block
+    m = keep(p["dmin"].float() * p["mn"].float()).unsqueeze(-1)              # dmin·m per sub-block
     masks = torch.tensor([15, 240], dtype=torch.uint8, device=dev).view(2, 1)
-    w = s * (qs.unsqueeze(-2) & masks).reshape(n, -1, 8, 32).float() - m1   # [N, K/256, 8, 32]
+    return s * (qs.unsqueeze(-2) & masks).reshape(n, -1, 8, 32).float() - m
+
+
+def _q6_k_planes(p: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """A Q6_K weight's quants (value - 32, float32) as four planes j, each [N, K/256, half, 32] holding
+    elements 128h + 32j + l. ql [N, K/256, half, j&1, 32] (low nibble: j < 2, high: j >= 2), qh
+    [N, K/256, half, 32] (bits 2j, 2j+1). Bit fields by constant masks and exact power-of-2 factors, no 8-bit
+    shifts (see `_q4_k_weights`)."""
+    ql, qh = p["ql"], p["qh"]
+    planes = []
+    for j in range(4):
+        lo = (ql[..., j % 2, :] & (15 if j < 2 else 240)).float()
+        if j >= 2:
+            lo = lo * (1 / 16)
+        hi = (qh & (3 << 2 * j)).float() * (16.0 / (1 << 2 * j))        # bits 2j, 2j+1 -> value << 4
+        planes.append(lo + hi - 32)
+    return planes
+
+
+def _q4_k_product(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """small_m_product of a Q4_K weight: scales and minimums decoded first (dequant_view's values, summed in
+    the same order)."""
+    w = _q4_k_weights(p, keep=realized)                                  # [N, K/256, 8, 32]
     xv = x.view(x.shape[0], -1, 8, 32)
     return torch.stack([(w * xv[m]).sum((-1, -2, -3)) for m in range(x.shape[0])], dim=0)
 
 
 def _q6_k_product(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
-    """small_m_product of a Q6_K weight as four planes j (elements 128h + 32j + l), each with its bit fields
-    taken by constant masks: no table of masks indexed per element. Scales decoded first."""
-    ql, qh, n = p["ql"], p["qh"], p["ql"].shape[0]
+    """small_m_product of a Q6_K weight plane by plane (`_q6_k_planes`): no table of masks indexed per
+    element. Scales decoded first."""
+    n = p["ql"].shape[0]
     s = realized(p["d"].float().view(n, -1, 1, 1, 1) * p["sc"].float())    # [N, K/256, half, j, 2]
     xv = x.view(x.shape[0], -1, 2, 4, 2, 16)                             # [M, K/256, half, j, 2, 16]
-    planes = []
-    for j in range(4):
-        lo = (ql[..., j % 2, :] & (15 if j < 2 else 240)).float()         # [N, K/256, half, 32]
-        if j >= 2:
-            lo = lo * (1 / 16)
-        hi = (qh & (3 << 2 * j)).float() * (16.0 / (1 << 2 * j))        # bits 2j, 2j+1 -> value << 4
-        q = (lo + hi - 32).view(n, -1, 2, 2, 16)
-        planes.append(s[..., j, :].unsqueeze(-1) * q)                    # [N, K/256, half, 2, 16]
+    planes = [s[..., j, :].unsqueeze(-1) * q.view(n, -1, 2, 2, 16)        # [N, K/256, half, 2, 16]
+              for j, q in enumerate(_q6_k_planes(p))]
     rows = []
     for m in range(x.shape[0]):
         acc = None
