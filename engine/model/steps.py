@@ -900,6 +900,14 @@ class CompiledSteps:
                 # round of the demo model compiled in ~0.75x the time (61-66 s against 80-90 s side by side, host at
                 # -O1; -O2 took 1.04x -O1), its rounds as fast (2-vCPU Xeon, docs/benchmarks.md, thirty-third session)
                 from torch._inductor import config as inductor_config
+                # the kernels built with -ffp-contract=fast (inductor's default is off): a product's
+                # multiply and add, and a K-quant weight's s * q - m, become one fused multiply-add.
+                # Q4_K_M and Q8_0 fixtures: plain steps ~0.93x and verifications of 5 rows ~0.91x the
+                # time, the F32 demo as fast (one process, alternating; AMD EPYC Zen 4, docs/benchmarks.md,
+                # forty-eighth session). One rounding instead of two moves logits by ~1e-6; a row's sum is
+                # contracted alike in a plain step and in a verification (tests/engine/model/test_steps.py)
+                if getattr(inductor_config.cpp, "enable_floating_point_contract_flag", None) is not None:
+                    opts["cpp.enable_floating_point_contract_flag"] = "fast"
                 if hasattr(inductor_config, "cpp_wrapper_build_separate") and hasattr(
                         inductor_config.aot_inductor, "compile_wrapper_opt_level"):   # an option unknown fails the compile
                     opts["cpp_wrapper_build_separate"] = True

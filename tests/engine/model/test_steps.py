@@ -94,6 +94,50 @@ def test_compiled_steps_match_eager(name):
 
 
 @needs_cxx
+@pytest.mark.parametrize("name", ["dense", pytest.param("q4_k_m", marks=pytest.mark.slow)])
+def test_contracted_kernels_give_a_verifications_first_row_the_plain_steps_bits(name, monkeypatch):
+    """Compiled steps on CPU build their kernels with -ffp-contract=fast (a multiply and an add become one
+    fused multiply-add): the first row of a verification of 5 rows has the plain step's logits bit for bit
+    (a row's sums are contracted alike whatever the row count), and both stay within 1e-3 of the eager path.
+    q4_k_m: packed K-quant weights (the products of engine/kernels/fused.py inside the graphs)."""
+    options = []
+    real = torch.compile
+
+    def recording(fn, **kw):
+        options.append(kw.get("options") or {})
+        return real(fn, **kw)
+    monkeypatch.setattr(torch, "compile", recording)
+    path, ref_path = MODELS[name]
+    prompt = _prompts(get_ref(ref_path))[1]
+    packed = name != "dense"
+    eager = load_model(fixture_path(path), packed=packed)
+    fast = load_model(fixture_path(path), packed=packed)
+    assert fast.compile_steps("compiled", background=False)[0] == "compiled"
+    with torch.inference_mode():
+        out = {}
+        for m in (eager, fast):
+            cache = ModelCache(m.cfg, 1, 64)
+            m.forward(torch.tensor([prompt]), cache, logits="none")
+            n0, snap = cache.lengths[0], cache.snapshot_gdn(0)
+            nxt = torch.tensor([[prompt[0]]])
+            plain = m.forward(nxt, cache, logits="all").logits[0, 0].clone()
+            cache.truncate(0, n0)
+            cache.restore_gdn(0, snap)
+            rows = torch.tensor([prompt[:1] + prompt[2:6]])
+            verify = m.forward(rows, cache, logits="all", gdn_steps=True).logits[0]
+            out[m is fast] = (plain, verify)
+    assert fast._steps.n_compiled_calls >= 2 and fast._steps.n_eager_calls == 0
+    step_options = [o for o in options if o.get("cpp_wrapper")]     # (not the eager model's fused kernels)
+    assert step_options and all(o.get("cpp.enable_floating_point_contract_flag") == "fast" for o in step_options)
+    plain, verify = out[True]
+    assert torch.equal(verify[0], plain)
+    want_plain, want_verify = out[False]
+    scale = want_verify.abs().max()
+    assert (plain - want_plain).abs().max() <= 1e-3 * scale
+    assert (verify - want_verify).abs().max() <= 1e-3 * scale
+
+
+@needs_cxx
 def test_int8_dots_drafts_in_compiled_rounds_keep_the_plain_tokens():
     """Draft weights 'int8_dots' (engine.kernels.int8_dots, called from the compiled graphs' host code): greedy
     rounds of one and of two sequences (a kind compiled for B = 2) give plain decoding's tokens, and drafts
