@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -522,7 +523,7 @@ class Qwen35Model(nn.Module):
         return n - t
 
     def draft_chain(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
-                    k: int, *, block: int | None = None, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    k: int, *, block: int | None = None, pad: int | Sequence[int] = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """k greedy MTP drafts per row in one call (spec §2): step 1 runs over the rows (token i, hidden
         i) of tokens [B, T] / hidden [B, T, E] (queued cache entries, then the pending token and its
         carry) with the head on the last row only; steps 2..k each take the previous draft and MTP
@@ -531,7 +532,8 @@ class Qwen35Model(nn.Module):
         attend to them and to each other's rows without writing the cache (scratch rows, see `KVView`).
         With compiled steps the whole chain is one graph (one call instead of k).
         pad: one sequence's rows T - 1 - pad .. T - 2 are padding (`step1_pad`): written after the pending
-        row's position, not kept (`cache.mtp_lengths` advances by T - pad)."""
+        row's position, not kept (`cache.mtp_lengths` advances by T - pad). Several sequences: one count each
+        (`step1_pads`), or one for all."""
         n = self._chain_block(k, block)
         B, T = tokens.shape
         slots, slot_idx, positions, n_keys, single = self._step1_slots(cache, slots, B, T, k, pad)
@@ -541,25 +543,46 @@ class Qwen35Model(nn.Module):
             res = self._steps.chain(*args)
         if res is None:
             res = self._chain(*args)
-        for s in slots:
-            cache.mtp_lengths[s] += T - pad
+        for s, p in zip(slots, _pads(pad, B), strict=True):
+            cache.mtp_lengths[s] += T - p
         return res
 
-    def _step1_slots(self, cache: ModelCache, slots: list[int], B: int, T: int, k: int, pad: int) -> tuple:
-        """`_slots` for a chain of k drafts whose step 1 has T rows, `pad` of them padding (one sequence). The
-        padding rows take the positions after the pending row's: the chain's steps 2..k attend only to the
-        cache rows up to the pending one, and the rows after it are written again before they are read."""
-        if pad == 0:
+    def step1_pads(self, cache: ModelCache, slots: list[int], ts: list[int], k: int) -> list[int] | None:
+        """Padding rows per sequence for a chain (or round) of k drafts of several sequences whose step 1 would
+        hold ts[i] rows (queued entries and the pending token, each t <= k + 1): each is padded to k + 1 rows,
+        so the sequences share one step 1 and the chain is one call, where unpadded each step-1 length took a
+        call of its own (and each a compiled kind). Padding rows go just before each pending row, as one
+        sequence's do (`step1_pad`). None where that cannot be: a backlog longer than k + 1 or, for a
+        sequence, rows past the cache's end."""
+        n = k + 1
+        if any(not 0 < t <= n for t in ts) or any(cache.mtp_lengths[s] + n - 1 >= cache.n_ctx for s in slots):
+            return None
+        return [n - t for t in ts]
+
+    def _step1_slots(self, cache: ModelCache, slots: list[int], B: int, T: int, k: int,
+                     pad: int | Sequence[int]) -> tuple:
+        """`_slots` for a chain of k drafts whose step 1 has T rows, `pad` of them padding (one sequence; for
+        several, one count per sequence). A sequence's padding rows take the positions after its pending
+        row's: the chain's steps 2..k attend only to the cache rows up to the pending one (one sequence: the
+        attended rows end there; several: masked per sequence by position, see `Attention._attend_local`), and
+        the rows after it are written again before they are read."""
+        pads = _pads(pad, B)
+        if not any(pads):
             return self._slots(cache, slots, B, T + k - 1, cache.mtp_lengths)
-        if B != 1 or not 0 < pad < T:
-            raise ValueError(f"padding rows: {pad} of a step 1 of {T} rows for {B} sequences")
-        slots, slot_idx, _, n_keys, single = self._slots(cache, slots, B, T - pad + k - 1, cache.mtp_lengths)
-        start = single[1]
-        P = start + T - pad - 1                  # the pending row's position
-        if P + pad >= cache.n_ctx:
-            raise InputError(f"context: padding rows past the cache size n_ctx={cache.n_ctx}")
-        rows = [*range(start, P), *range(P + 1, P + 1 + pad), *range(P, P + k)]
-        return slots, slot_idx, torch.tensor([rows], dtype=torch.long, device=self.device), n_keys, single
+        if len(pads) != B or not all(0 <= p < T for p in pads):
+            raise ValueError(f"padding rows: {pads} of a step 1 of {T} rows for {B} sequences")
+        slots, slot_idx, _, _, single = self._slots(cache, slots, B, 1, cache.mtp_lengths)
+        rows, ends = [], []
+        for s, p in zip(slots, pads, strict=True):
+            start = cache.mtp_lengths[s]
+            P = start + T - p - 1                # the pending row's position
+            if P + k > cache.n_ctx:
+                raise InputError(f"context: {P + k} tokens exceed the cache size n_ctx={cache.n_ctx}")
+            if P + p >= cache.n_ctx:
+                raise InputError(f"context: padding rows past the cache size n_ctx={cache.n_ctx}")
+            rows.append([*range(start, P), *range(P + 1, P + 1 + p), *range(P, P + k)])
+            ends.append(P + k)
+        return slots, slot_idx, torch.tensor(rows, dtype=torch.long, device=self.device), max(ends), single
 
     def _chain_block(self, k: int, block: int | None) -> int:
         """The nextn block a chain of k drafts runs (checks the model has one and k >= 1)."""
@@ -594,7 +617,7 @@ class Qwen35Model(nn.Module):
         return out, hid
 
     def draft_and_verify(self, tokens: torch.Tensor, hidden: torch.Tensor, cache: ModelCache, slots: list[int],
-                         k: int, *, chunk: int = 64, block: int | None = None, pad: int = 0
+                         k: int, *, chunk: int = 64, block: int | None = None, pad: int | Sequence[int] = 0
                          ) -> tuple[torch.Tensor, ForwardOutput, torch.Tensor]:
         """A speculative round's tensor work in one call: `draft_chain` (k drafts from tokens [B, T] /
         hidden [B, T, E], the last row being the pending token s0 and its carry), then the verification
@@ -613,8 +636,8 @@ class Qwen35Model(nn.Module):
             res = self._steps.round(*args)
         if res is None:
             res = self._round(*args)
-        for s in slots:
-            cache.mtp_lengths[s] += T - pad
+        for s, p in zip(slots, _pads(pad, B), strict=True):
+            cache.mtp_lengths[s] += T - p
             cache.lengths[s] += k + 1
         drafts, h, h_final, lg, conv, ssm, target = res
         return drafts, ForwardOutput(h, h_final, lg, GDNSteps(slots, k + 1, conv, ssm)), target
@@ -647,6 +670,11 @@ class Qwen35Model(nn.Module):
         if self._steps is not None:
             return self._steps.status()
         return self._steps_status
+
+
+def _pads(pad: int | Sequence[int], B: int) -> list[int]:
+    """A chain's padding rows per sequence: one count for all, or one each (`Qwen35Model.step1_pads`)."""
+    return [pad] * B if isinstance(pad, int) else list(pad)
 
 
 # -- loading -------------------------------------------------------------------------------------

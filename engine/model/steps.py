@@ -746,8 +746,8 @@ class CompiledSteps:
         # every product's row count is traced as a constant, step 1's T - 1 cache rows included. So each T
         # is a graph of its own, and a kind per T makes it one the worker compiles: with T symbolic in the
         # key, each new T recompiled in the decode thread while it waited (demo model, k = 4: T = 3, 4, 5
-        # each stalled it 60-72 s with an empty inductor cache, ~4.4 s with a warm one). One sequence's callers
-        # pad step 1 to one length per k (`step1_rows`), so a request meets one such kind per k
+        # each stalled it 60-72 s with an empty inductor cache, ~4.4 s with a warm one). Callers pad step 1 to
+        # one length per k (one sequence: `step1_rows`; several: k + 1), so a request meets one such kind per k
         B, T = tokens.shape
         batch = _fixed_batch(c_single, B, k + 1)
         fixed = (c_single is not None and k + 1 <= ROW_PRODUCTS_MAX) or batch > 0
@@ -757,14 +757,11 @@ class CompiledSteps:
             return ("round", _one(c_single), _step1_rows(t, B, fixed), k, n, cache.n_slots == 1, cache.kv_dtype,
                     self.model.draft_vocab, self.model.draft_weights, self.model.wrong_drafts, batch)
 
-        # the lengths step 1 usually has (the last round's accepted drafts + the pending token) compile
-        # together (for one sequence one length, padded: `step1_rows`); a longer one (a plain-step backlog)
-        # is queued when it first comes. Several sequences take queued entries along only in `SpecDecoder`
-        # (the server writes them before a round of several, whose step 1 is then the pending token alone):
-        # their other lengths are queued once a longer step 1 comes, so a server compiles no kind it never
-        # runs (4 kinds of round for 2 sequences at k = 3 where it runs one)
+        # the length step 1 usually has (the last round's accepted drafts + the pending token, padded: for one
+        # sequence to `step1_rows`, for several to k + 1, `Qwen35Model.step1_pads`) compiles along; a longer
+        # one (a plain-step backlog) or an unpadded one (rows at the cache's end) is queued when it first comes
         def siblings() -> list:
-            ts = [self.step1_rows(k)] if B == 1 else range(1, k + 2) if T > 1 else ()
+            ts = [self.step1_rows(k)] if B == 1 else [k + 1]
             return [(key(t), (B, t)) for t in ts if t > 0 and key(t) != key(T)] if fixed else []
 
         return self._call(key(T), (tokens, hidden, cache, slot_idx, c_pos, c_keys, c_single, m_pos, m_keys, m_single,

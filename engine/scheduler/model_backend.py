@@ -390,12 +390,14 @@ class ModelBackend(SlotBackend):
         B, K = len(slots), max(ks)
         spec = [i for i in range(B) if ks[i] > 0]
         spec_slots = [slots[i] for i in spec]
-        # one drafting slot: its queued MTP entries (the last round's accepted drafts, plain steps) ride
-        # along in draft step 1 when it holds them (`Qwen35Model.step1_queue_max`: K, or its padded length).
-        # Else they are written first, outside the round's timer: that is the plain steps' MTP sync (a probe
-        # after a run of plain steps writes up to 255 of them), not a cost of drafting that policies should see
-        ride = len(spec) == 1 and len(self.slots[spec_slots[0]].mtp_queue_tokens) <= self.model.step1_queue_max(K)
-        self._flush_mtp([] if ride else spec_slots)
+        # where every drafting slot drafts K, their queued MTP entries (the last round's accepted drafts, plain
+        # steps) ride along in draft step 1 when they fit it (one slot: `Qwen35Model.step1_queue_max`, K or its
+        # padded length; several: K). A longer queue (or any, where the slots draft different counts) is written
+        # first, outside the round's timer: that is the plain steps' MTP sync (a probe after a run of plain steps
+        # writes up to 255 of them), not a cost of drafting that policies should see
+        one_k = all(ks[i] == K for i in spec)
+        q_max = (self.model.step1_queue_max(K) if len(spec) == 1 else K) if one_k else 0
+        self._flush_mtp([s for s in spec_slots if len(self.slots[s].mtp_queue_tokens) > q_max])
         t0 = time.perf_counter()
         u0 = self.model.untimed_calls       # RoundTiming.timed
         s0_host = [self.slots[s].run.pending for s in slots]
@@ -407,22 +409,25 @@ class ModelBackend(SlotBackend):
         # verification; drafts are greedy whatever the sampling, and sampled slots draw from its logits (§3.3)
         fused = len(spec) == B and all(k == K for k in ks) and self.model.steps_status[0] == "compiled"
         targets = out = None
-        if spec and all(ks[i] == K for i in spec):
+        if spec and one_k:
             # every drafting slot drafts K: the whole chain in one call (one compiled graph)
-            pad = 0
-            if len(spec) == 1:
-                # its queued entries (none if written above) and the pending token, padded to one step-1
-                # length per K (one compiled graph; `Qwen35Model.step1_pad`): the padding rows (the pending
-                # token and its carry) go before the pending row
-                st = self.slots[spec_slots[0]]
-                pad = self.model.step1_pad(self.cache, spec_slots[0], len(st.mtp_queue_tokens) + 1, K)
-                x = torch.tensor([[*st.mtp_queue_tokens, *[s0_host[spec[0]]] * (pad + 1)]], dtype=torch.long,
-                                 device=dev)
-                hid = torch.stack([*st.mtp_queue_hidden, *[st.carry] * (pad + 1)])[None]
+            # each slot's queued entries and its pending token, padded to one step-1 length per K (one compiled
+            # graph; `Qwen35Model.step1_pad`, several slots `step1_pads`): the padding rows (the pending token
+            # and its carry) go before the pending row
+            sts = [self.slots[s] for s in spec_slots]
+            ts = [len(st.mtp_queue_tokens) + 1 for st in sts]
+            pads = [self.model.step1_pad(self.cache, spec_slots[0], ts[0], K)] if len(spec) == 1 else \
+                self.model.step1_pads(self.cache, spec_slots, ts, K)
+            if pads is None:                # rows past the cache's end: step 1 is the pending tokens alone
+                self._flush_mtp(spec_slots)
+                pads = [0] * len(spec)
+            x = torch.tensor([[*st.mtp_queue_tokens, *[s0_host[i]] * (p + 1)]
+                              for st, i, p in zip(sts, spec, pads, strict=True)], dtype=torch.long, device=dev)
+            hid = torch.stack([torch.stack([*st.mtp_queue_hidden, *[st.carry] * (p + 1)])
+                               for st, p in zip(sts, pads, strict=True)])
+            for st in sts:
                 st.mtp_queue_tokens, st.mtp_queue_hidden = [], []
-            else:
-                x = s0[spec]
-                hid = torch.stack([self.slots[s].carry for s in spec_slots])[:, None]
+            pad = pads[0] if len(spec) == 1 else pads
             if fused:
                 d, out, targets = self.model.draft_and_verify(x, hid, self.cache, slots, K, chunk=self.delta_chunk,
                                                               pad=pad)
@@ -475,19 +480,13 @@ class ModelBackend(SlotBackend):
         n_acc = [len(ids) - 1 for ids in emitted]
         t2 = time.perf_counter()
         self.cache.rollback(out.gdn_steps, [a + 1 for a in n_acc])
-        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a. One drafting slot queues them; several
-        # get one MTP pass over max(a) rows, rows past a slot's own a being scratch cut off right after
-        a_max = max((n_acc[i] for i in spec), default=0)
-        if a_max > 0 and len(spec) == 1:
-            # lazily (§5.3): the next round's draft step 1 writes them, or a flush before a checkpoint
-            st = self.slots[slots[spec[0]]]
-            st.mtp_queue_tokens.extend(d_host[spec[0]][:a_max])
-            st.mtp_queue_hidden.extend(out.hidden[spec[0], :a_max])
-        elif a_max > 0:
-            self.model.mtp_forward(d[spec, :a_max], out.hidden[spec, :a_max], self.cache, spec_slots,
-                                   logits="none")
-            for i in spec:
-                self.cache.truncate_mtp(slots[i], P[i] + 1 + n_acc[i])
+        # spec §1.3 accept: E(P+j) = (d_j, h(P+j-1)) for j = 1..a, queued per drafting slot (§5.3 lazily): the
+        # next round's draft step 1 writes them, or a flush before a checkpoint
+        for i in spec:
+            if n_acc[i] > 0:
+                st = self.slots[slots[i]]
+                st.mtp_queue_tokens.extend(d_host[i][:n_acc[i]])
+                st.mtp_queue_hidden.extend(out.hidden[i, :n_acc[i]])
         results = {}
         for i, s in enumerate(slots):
             st = self.slots[s]

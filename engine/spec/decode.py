@@ -292,23 +292,30 @@ class SpecDecoder:
         P = [s.n_past for s in seqs]
         # draft step 1 also writes the queued entries (plain steps, the last round's accepted drafts) in
         # the same MTP pass: rows [queue..., s0] with hidden [queue_hidden..., carry], head on the last
-        # row only; then steps 2..k. One `draft_chain` call per queue length (one compiled graph); device
-        # argmax, no host sync per draft token (spec §2)
+        # row only; then steps 2..k. One `draft_chain` call (one compiled graph), or one per step-1 length where
+        # they cannot be padded to one; device argmax, no host sync per draft token (spec §2)
         d_rows: list[torch.Tensor | None] = [None] * len(seqs)
-        by_len: dict[int, list[int]] = {}
-        for i, s in enumerate(seqs):
-            by_len.setdefault(len(s.mtp_queue), []).append(i)
+        # several sequences pad their step 1 to one length (`Qwen35Model.step1_pads`): one call for all; else
+        # (eager steps for one sequence, rows at the cache's end) one call per step-1 length
+        pads = m.step1_pads(cache, slots, [len(s.mtp_queue) + 1 for s in seqs], k) if len(seqs) > 1 else None
+        if pads is not None:
+            parts = [(list(range(len(seqs))), pads)]
+        else:
+            by_len: dict[int, list[int]] = {}
+            for i, s in enumerate(seqs):
+                by_len.setdefault(len(s.mtp_queue), []).append(i)
+            # one sequence's step 1 is padded to one length per k (one compiled graph)
+            parts = [(idx, [m.step1_pad(cache, seqs[idx[0]].slot, len(seqs[idx[0]].mtp_queue) + 1, k)
+                            if len(idx) == 1 else 0] * len(idx)) for idx in by_len.values()]
         # a round whose rows share one step-1 length drafts and verifies in one call (one compiled graph): its
         # time is all verify_s (draft_s 0), the drafting being inside the call
-        fused = fusable and len(by_len) == 1
+        fused = fusable and len(parts) == 1
         out = targets = None
-        for idx in by_len.values():
-            # one sequence's step 1 is padded to one length per k (one compiled graph): padding rows (the
-            # pending token and its carry) go before the pending row (`Qwen35Model.step1_pad`)
-            pad = m.step1_pad(cache, seqs[idx[0]].slot, len(seqs[idx[0]].mtp_queue) + 1, k) if len(idx) == 1 else 0
-            x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] * (pad + 1) for i in idx], dtype=torch.long,
-                             device=m.device)
-            hin = [self._queue_hidden(seqs[i], with_carry=True, pad=pad) for i in idx]
+        for idx, pad in parts:
+            # padding rows (the pending token and its carry) go before the pending row (`Qwen35Model.step1_pad`)
+            x = torch.tensor([seqs[i].mtp_queue + [seqs[i].pending] * (p + 1) for i, p in zip(idx, pad, strict=True)],
+                             dtype=torch.long, device=m.device)
+            hin = [self._queue_hidden(seqs[i], with_carry=True, pad=p) for i, p in zip(idx, pad, strict=True)]
             hin = hin[0][None] if len(hin) == 1 else torch.stack(hin)
             if fused:
                 d, out, targets = m.draft_and_verify(x, hin, cache, slots, k, chunk=opt.delta_chunk, pad=pad)

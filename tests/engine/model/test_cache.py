@@ -282,6 +282,72 @@ def test_a_padded_step_one_drafts_and_keeps_what_the_unpadded_one_does(model, fu
         model.draft_chain(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, model.cfg.n_embd), c0, [0], k, pad=2)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_several_sequences_pad_their_step_one_to_one_length(model, fused):
+    """Several sequences with different counts of queued MTP entries (the last round's accepted drafts) share
+    one padded step 1 (`step1_pads`: k + 1 rows each, so a round of several is one call, where each step-1
+    length took a call of its own): each sequence's padding rows, just before its pending row, are written
+    after that row's position and masked from its drafts by position. The drafts, the verification, the
+    MTP cache rows kept and the next round's drafts equal those of each sequence alone, unpadded."""
+    k, n_mtp = 3, model.cfg.nextn_blocks[0]
+    queued = (2, 0)                                 # slot 0: 2 entries queued, slot 1: none
+    lens = (17, 12)
+    texts = [_text(n, 900 + 50 * s) for s, n in enumerate(lens)]
+
+    def prompt(cache, s):
+        t = texts[s]
+        out = model(t, cache, [s], logits="none")
+        h = shift_hidden(out.hidden)
+        model.mtp_forward(t[:, :-1 - queued[s]], h[:, :-1 - queued[s]], cache, [s], logits="none")
+        return t[:, -1 - queued[s]:], h[:, -1 - queued[s]:]   # [queued..., pending] and their hidden rows
+
+    def round_(cache, slots, x, h, pad):
+        if fused:
+            d, out, target = model.draft_and_verify(x, h, cache, slots, k, pad=pad)
+            return d, out.logits, target
+        d, last = model.draft_chain(x, h, cache, slots, k, pad=pad)
+        return d, None, last
+
+    alone = []
+    for s in (0, 1):
+        c = ModelCache(model.cfg, 2, 64)
+        x, h = prompt(c, s)
+        d, lg, tail = round_(c, [s], x, h, 0)
+        L = c.mtp_lengths[s]
+        c.truncate(s, lens[s])
+        d2, _ = model.draft_chain(d[:, :1], h[:, -1:], c, [s], k)
+        alone.append((d, lg, tail, L, c, d2))
+    both = ModelCache(model.cfg, 2, 64)
+    xs, hs = zip(*(prompt(both, s) for s in (0, 1)), strict=True)
+    pads = model.step1_pads(both, [0, 1], [x.shape[1] for x in xs], k)
+    assert pads == [k - queued[0], k - queued[1]]
+    # padding rows of any content (the decoder pads with the pending row's) before each pending row
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([torch.cat([x[:, :-1], torch.randint(0, 100, (1, p), generator=g), x[:, -1:]], dim=1)
+                   for x, p in zip(xs, pads, strict=True)])
+    h = torch.cat([torch.cat([h[:, :-1], torch.randn(1, p, h.shape[-1], generator=g), h[:, -1:]], dim=1)
+                   for h, p in zip(hs, pads, strict=True)])
+    d, lg, tail = round_(both, [0, 1], x, h, pads)
+    for s in (0, 1):
+        ad, alg, atail, L, c, ad2 = alone[s]
+        assert torch.equal(d[s], ad[0]), s
+        assert both.mtp_lengths[s] == L
+        assert torch.allclose(both.mtp_k[n_mtp][s, :L], c.mtp_k[n_mtp][s, :L], **TIGHT)
+        assert torch.allclose(both.mtp_v[n_mtp][s, :L], c.mtp_v[n_mtp][s, :L], **TIGHT)
+        if fused:
+            assert torch.equal(tail[s], atail[0]) and torch.allclose(lg[s], alg[0], **TIGHT)
+        else:
+            assert torch.allclose(tail[s], atail[0], **TIGHT)
+    for s in (0, 1):
+        both.truncate(s, lens[s])
+    d2, _ = model.draft_chain(d[:, :1], torch.cat([h[:1, -1:], h[1:, -1:]]), both, [0, 1], k)
+    for s in (0, 1):
+        assert torch.equal(d2[s], alone[s][5][0]), s
+    assert model.step1_pads(both, [0, 1], [k + 2, 1], k) is None       # a backlog longer than a padded step 1
+    with pytest.raises(ValueError, match="padding rows"):
+        model.draft_chain(x[:, :2], h[:, :2], both, [0, 1], k, pad=[1, 2])
+
+
 def _prompt_cache(model, t: torch.Tensor):
     """A one-slot cache holding the prompt t [1, T] in the main model and E(0..T-2) in the MTP cache, and the
     shifted hidden rows (the carry of the pending last token is h[:, -1:])."""

@@ -1019,12 +1019,12 @@ def test_every_packed_weight_a_draft_reads_has_static_sizes(traced_in, kind):
 
 
 @needs_cxx
-def test_a_round_of_several_sequences_queues_the_other_step1_lengths_only_once_one_comes(monkeypatch):
-    """The server writes several sequences' queued MTP entries before their round, so its rounds of several
-    sequences always have a one-row step 1; the other step-1 lengths (kinds of their own, as the rows take
-    per-row products) were queued along with the first round all the same: 4 kinds of round compiled for 2
-    sequences at k = 3 where the server runs one. They are now queued when a longer step 1 first comes
-    (`SpecDecoder` rides queued entries along). The worker is not started: this checks the queue only."""
+def test_a_round_of_several_sequences_queues_only_the_padded_step1_length_along(monkeypatch):
+    """Rounds of several sequences pad their step 1 to k + 1 rows (`Qwen35Model.step1_pads`: the last round's
+    accepted drafts and the pending token), so a request of several sequences meets one kind of round per k.
+    Another step-1 length (an unpadded round at the cache's end, a writer that pads nothing) queues that kind
+    and the padded one along, not every length up to k + 1 (4 kinds of round for 2 sequences at k = 3, each a
+    compile of its own as the rows take per-row products). The worker is not started: this checks the queue."""
     model = load_model(fixture_path(MODELS["dense"][0]), packed=True, min_packed=0)
     model.compile_steps("compiled", background=True)
     monkeypatch.setattr(model._steps, "_start_worker", lambda: None)
@@ -1040,10 +1040,15 @@ def test_a_round_of_several_sequences_queues_the_other_step1_lengths_only_once_o
         model.mtp_forward(toks, out.hidden, cache, [0, 1], logits="none")
         hid = out.hidden[:, -1:]
         model.draft_and_verify(torch.full((B, 1), 5), hid, cache, [0, 1], k)
-        assert rounds() == {1}
+        assert rounds() == {1, k + 1}
+        pads = model.step1_pads(cache, [0, 1], [1, 3], k)
+        assert pads == [k, k - 2]
+        model.draft_and_verify(torch.full((B, k + 1), 5), hid.expand(B, k + 1, -1).contiguous(), cache, [0, 1], k,
+                               pad=pads)
+        assert rounds() == {1, k + 1}
         model.draft_and_verify(torch.full((B, 2), 5), hid.expand(B, 2, -1).contiguous(), cache, [0, 1], k)
     assert B * k <= steps_mod.ROW_PRODUCTS_MAX          # every length a kind of its own
-    assert rounds() == set(range(1, k + 2))
+    assert rounds() == {1, 2, k + 1}
     assert model._steps.n_compiled_calls == 0 and model._steps.kinds_ready == 0
     model._steps.close()
 
