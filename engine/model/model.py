@@ -564,7 +564,7 @@ class Qwen35Model(nn.Module):
         """`_slots` for a chain of k drafts whose step 1 has T rows, `pad` of them padding (one sequence; for
         several, one count per sequence). A sequence's padding rows take the positions after its pending
         row's: the chain's steps 2..k attend only to the cache rows up to the pending one (one sequence: the
-        attended rows end there; several: masked per sequence by position, see `Attention._attend_local`), and
+        attended rows end there; several: masked per sequence by position, see `GatedAttention._attend_local`), and
         the rows after it are written again before they are read."""
         pads = _pads(pad, B)
         if not any(pads):
